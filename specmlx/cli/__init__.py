@@ -1,0 +1,65 @@
+"""The `specmlx` command: typer app, error handling. The only package that prints."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+try:  # recent typer vendors its own copy of click
+    from typer._click import exceptions as click_errors
+except ImportError:  # pragma: no cover
+    from click import exceptions as click_errors
+
+from ..errors import SpecmlxError
+
+app = typer.Typer(
+    name="specmlx",
+    help="Quantized speculative decoding on MLX: a small draft model guesses, the target checks.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def _root(
+    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
+) -> None:
+    """Quantized speculative decoding on MLX."""
+
+
+def _register() -> None:
+    from . import generate  # noqa: F401  (commands register themselves on `app`)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: user errors become one line on stderr and a non-zero exit."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    _register()
+    try:
+        app(args=argv, prog_name="specmlx", standalone_mode=False)
+    except SpecmlxError as e:
+        if debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except click_errors.NoArgsIsHelpError:
+        sys.exit(0)  # typer has printed the help already
+    except click_errors.ClickException as e:
+        if debug:
+            raise
+        hint = f" (see `{e.ctx.command_path} --help`)" if getattr(e, "ctx", None) else ""
+        print(f"error: {e.format_message()}{hint}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except click_errors.Exit as e:
+        sys.exit(e.exit_code)
+    except (KeyboardInterrupt, click_errors.Abort):
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    except Exception as e:
+        if debug:
+            raise
+        print(f"internal error: {type(e).__name__}: {e} (rerun with --debug)", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,160 @@
+"""Resolve a model path or hub id, and load it into mlx-lm's model class.
+
+Weights are loaded lazily (each tensor is read when first used), the tokenizer is
+mlx-lm's wrapper with its streaming detokenizer, and a dtype policy picks the
+activation precision that is fast on the backend at hand.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map
+
+from .errors import SpecmlxError
+
+# Files a model needs; everything else in a hub repo (READMEs, GGUFs, ONNX) is skipped.
+HUB_PATTERNS = [
+    "*.json",
+    "model*.safetensors",
+    "tokenizer.model",
+    "*.tiktoken",
+    "*.txt",
+    "*.jinja",
+]
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+@dataclass
+class Model:
+    """A loaded model: mlx-lm module, tokenizer wrapper, config and where it came from."""
+
+    module: nn.Module
+    tokenizer: Any  # mlx_lm.tokenizer_utils.TokenizerWrapper
+    config: dict
+    path: Path
+    vocab_size: int  # tokens the tokenizer can produce; logits beyond it are padding
+    dtype: str = "float32"
+    info: dict = field(default_factory=dict)
+
+    @property
+    def quantization(self) -> dict | None:
+        return self.config.get("quantization")
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def describe(self) -> str:
+        q = self.quantization
+        bits = f"INT{q['bits']} g{q['group_size']}" if q else "dense"
+        return f"{self.name} ({self.config.get('model_type')}, {bits}, {self.dtype})"
+
+
+def backend() -> str:
+    """'gpu' when MLX runs on Metal or CUDA, else 'cpu'."""
+    return "gpu" if mx.default_device() == mx.gpu else "cpu"
+
+
+def resolve_path(path_or_repo: str | Path) -> Path:
+    """A local model directory, or a hub repo id fetched into the hub cache."""
+    path = Path(path_or_repo).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise SpecmlxError(
+                f"model path {path} is a file, not a model directory "
+                "(for a .gguf file run `specmlx quantize FILE -o DIR` first)"
+            )
+        return path
+    text = str(path_or_repo)
+    if text.count("/") != 1 or text.startswith((".", "/", "~")):
+        raise SpecmlxError(
+            f"model not found: {text} is neither a directory nor a hub id like 'org/name'"
+        )
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(text, allow_patterns=HUB_PATTERNS))
+    except Exception as e:  # the hub client raises many types; all mean "could not get it"
+        raise SpecmlxError(
+            f"model not found: no directory {text!r} and the hub download failed "
+            f"({type(e).__name__}); pass a local model directory"
+        ) from e
+
+
+def read_config(path: Path) -> dict:
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise SpecmlxError(f"{path} has no config.json: not a Hugging Face / MLX model directory")
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise SpecmlxError(f"{config_file} is not valid JSON ({e.msg} at line {e.lineno})") from e
+
+
+def pick_dtype(config: dict, requested: str = "auto") -> str:
+    """The dtype that floating weights (and so activations) should have.
+
+    MLX's CPU kernels are fast only in float32 (INT4 with bf16 activations is ~8x
+    slower on x86, fp16 ~40x), so on the CPU everything floating becomes float32.
+    Metal and CUDA keep the checkpoint's own dtype.
+    """
+    if requested != "auto":
+        if requested not in DTYPES:
+            raise SpecmlxError(f"unknown dtype {requested!r}; use one of auto, {', '.join(DTYPES)}")
+        return requested
+    if backend() == "cpu":
+        return "float32"
+    return config.get("torch_dtype") if config.get("torch_dtype") in DTYPES else "float16"
+
+
+def cast_floating(module: nn.Module, dtype: str) -> None:
+    """Cast every floating parameter (weights, scales, biases, norms) to `dtype`.
+
+    Packed integer weights are left alone. Parameters are still lazy here, so the
+    cast fuses with the read from disk and no second copy of the model is kept.
+    """
+    target = DTYPES[dtype]
+
+    def cast(x: mx.array) -> mx.array:
+        return x.astype(target) if mx.issubdtype(x.dtype, mx.floating) else x
+
+    module.update(tree_map(cast, module.parameters()))
+
+
+def load(path_or_repo: str | Path, dtype: str = "auto", lazy: bool = True) -> Model:
+    """Load a model directory or hub id (dense or MLX-quantized) for generation."""
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    path = resolve_path(path_or_repo)
+    config = read_config(path)
+    if not list(path.glob("model*.safetensors")):
+        raise SpecmlxError(f"{path} has no model*.safetensors weights")
+    try:
+        module, config = load_model(path, lazy=True)
+    except ValueError as e:
+        raise SpecmlxError(f"cannot build the model in {path}: {e}") from e
+    chosen = pick_dtype(config, dtype)
+    cast_floating(module, chosen)
+    if not lazy:
+        mx.eval(module.parameters())
+    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    logits_dim = config.get("vocab_size") or module.args.vocab_size
+    vocab_size = min(len(tokenizer), logits_dim)
+    return Model(module, tokenizer, config, path, vocab_size, chosen)
+
+
+def check_pair(target: Model, draft: Model) -> None:
+    """Refuse a draft whose tokenizer differs from the target's: its tokens mean other text."""
+    if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+        raise SpecmlxError(
+            f"draft {draft.path} has a different tokenizer from target {target.path} "
+            f"({len(draft.tokenizer)} vs {len(target.tokenizer)} tokens); "
+            "pick a draft from the same model family"
+        )

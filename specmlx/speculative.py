@@ -1,0 +1,245 @@
+"""Speculative decoding: the round loop, cache rollback, stop conditions and statistics.
+
+One round: the drafter proposes g tokens; the target runs ONE forward pass over
+[last emitted token, d_1..d_g] and yields g+1 distributions; accept/reject on the
+device; both caches are trimmed back to the accepted prefix. With no drafter it is
+plain autoregressive decoding of the target, the baseline everything is measured
+against, sampled through the very same code (so greedy outputs must match exactly).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+from .drafters import ModelDrafter, prefill
+from .errors import SpecmlxError
+from .loading import Model, check_pair
+from .sampling import SamplingParams
+from .verify import make_sampler, make_verifier
+
+
+@dataclass(frozen=True)
+class Step:
+    token: int  # the emitted token id
+    text: str  # the text this token adds (may be "" while a multi-byte char is incomplete)
+    from_draft: bool  # an accepted draft token (True) or the target's own sample (False)
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    tokens: int = 0  # emitted (EOS excluded)
+    target_passes: int = 0  # target forward passes after prefill
+    drafted: int = 0
+    accepted: int = 0
+    gamma: int | str = 0
+    prefill_time: float = 0.0  # both models' prompt processing, seconds
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    decode_time: float = 0.0  # first round to last token, seconds
+    ttft: float = 0.0  # call to first emitted token, seconds
+    finish_reason: str = ""  # "eos" | "length"
+    accepted_by_position: list[int] = field(default_factory=list)
+    drafted_by_position: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance(self) -> float:
+        """alpha: the fraction of drafted tokens the target accepted."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """tau: mean tokens emitted per target forward pass (1.0 for plain decoding)."""
+        return self.tokens / self.target_passes if self.target_passes else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.tokens / self.decode_time if self.decode_time else 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_time if self.prefill_time else 0.0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(
+            acceptance=self.acceptance,
+            tokens_per_pass=self.tokens_per_pass,
+            decode_tps=self.decode_tps,
+            prefill_tps=self.prefill_tps,
+        )
+        return out
+
+
+def encode_prompt(model: Model, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+        tokenizer = model.tokenizer
+        bos = tokenizer.bos_token
+        ids = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise SpecmlxError("the prompt is empty; give at least one token of text")
+    limit = model.vocab_size
+    if any(not 0 <= t < limit for t in ids):
+        raise SpecmlxError(f"prompt token ids must be in [0, {limit}) for {model.name}")
+    return ids
+
+
+class Generation:
+    """An iterator of Steps; `.stats`, `.tokens` and `.text` fill in as it runs."""
+
+    def __init__(self, steps_factory):
+        self.stats = Stats()
+        self.tokens: list[int] = []
+        self.text = ""
+        self._steps = steps_factory(self)
+
+    def __iter__(self) -> Iterator[Step]:
+        return self
+
+    def __next__(self) -> Step:
+        step = next(self._steps)
+        self.tokens.append(step.token)
+        self.text += step.text
+        return step
+
+    def run(self) -> Generation:
+        """Consume the whole generation; return self for chaining."""
+        for _ in self:
+            pass
+        return self
+
+
+def generate(
+    target: Model,
+    prompt: str | list[int],
+    draft: Model | None = None,
+    *,
+    max_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    num_draft: int = 4,
+    seed: int = 0,
+) -> Generation:
+    """Generate from `target`, speculatively when a `draft` is given.
+
+    The output distribution is exactly the target's (processed with temperature,
+    top-k, top-p); at temperature 0 the tokens equal the target's own greedy tokens.
+    Iterate the result for Steps; its `.stats` holds the run's statistics.
+    """
+    params = SamplingParams(temperature, top_p, top_k)
+    if max_tokens < 1:
+        raise SpecmlxError(f"max_tokens must be >= 1, got {max_tokens}")
+    if not isinstance(num_draft, int) or num_draft < 0:
+        raise SpecmlxError(f"num_draft (gamma) must be an integer >= 0, got {num_draft!r}")
+    ids = encode_prompt(target, prompt)
+    vocab = target.vocab_size
+    drafter = None
+    if draft is not None and num_draft > 0:
+        check_pair(target, draft)
+        vocab = min(vocab, draft.vocab_size)
+        drafter = ModelDrafter(draft, params, vocab)
+
+    def steps(gen: Generation) -> Iterator[Step]:
+        gen.stats.gamma = num_draft if drafter else 0
+        yield from _decode(target, drafter, ids, params, vocab, max_tokens, num_draft, seed, gen)
+
+    return Generation(steps)
+
+
+def _decode(
+    target: Model,
+    drafter: ModelDrafter | None,
+    ids: list[int],
+    params: SamplingParams,
+    vocab: int,
+    max_tokens: int,
+    gamma: int,
+    seed: int,
+    gen: Generation,
+) -> Iterator[Step]:
+    stats = gen.stats
+    stats.prompt_tokens = len(ids)
+    start = time.perf_counter()
+    cache = make_prompt_cache(target.module)
+    prefill(target, cache, ids[:-1])
+    if drafter is not None:
+        drafter.prefill(ids)
+    stats.prefill_time = time.perf_counter() - start
+    verify = make_verifier(params, vocab)
+    draw = make_sampler(params, vocab)
+    eos = target.tokenizer.eos_token_ids
+    detok = target.tokenizer.detokenizer
+    key = mx.random.key(seed)
+    last = ids[-1]
+    decode_start = time.perf_counter()
+
+    while stats.tokens < max_tokens:
+        key, round_key = mx.random.split(key)
+        # Never draft past max_tokens: a fully accepted round emits g + 1 tokens.
+        g = min(gamma, max_tokens - stats.tokens - 1) if drafter is not None else 0
+        t0 = time.perf_counter()
+        if g > 0:
+            draft_key, verify_key = mx.random.split(round_key)
+            draft_tokens, q = drafter.propose(g, draft_key)
+            mx.eval(draft_tokens, q)
+            t1 = time.perf_counter()
+            x = mx.concatenate([mx.array([last], mx.uint32), draft_tokens])
+            logits = target.module(x[None], cache=cache)[0]
+            n, token = verify(logits, q, draft_tokens, verify_key)
+            mx.eval(n, token)  # the one host sync of the round
+            n, token = n.item(), token.item()
+            drafts = draft_tokens.tolist()
+            trim_prompt_cache(cache, g - n)
+            stats.draft_time += t1 - t0
+            stats.drafted += g
+            stats.accepted += n
+            _count_positions(stats, g, n)
+        else:
+            t1 = t0
+            logits = target.module(mx.array([[last]], mx.uint32), cache=cache)[0, -1:]
+            _, token = draw(logits, round_key)
+            n, token, drafts = 0, token.item(), []
+        stats.verify_time += time.perf_counter() - t1
+        stats.target_passes += 1
+        block = drafts[:n] + [token]
+        if drafter is not None:
+            drafter.rollback(g, n, block)
+        last = token
+        for i, t in enumerate(block):
+            if t in eos:
+                stats.finish_reason = "eos"
+                break
+            detok.add_token(t)
+            stats.tokens += 1
+            if stats.tokens == 1:
+                stats.ttft = time.perf_counter() - start
+            if stats.tokens == max_tokens or (i + 1 < len(block) and block[i + 1] in eos):
+                detok.finalize()  # known to be the last token: flush held-back bytes
+            yield Step(t, detok.last_segment, i < n)
+            if stats.tokens == max_tokens:
+                break
+        stats.decode_time = time.perf_counter() - decode_start
+        if stats.finish_reason:
+            break
+    stats.finish_reason = stats.finish_reason or "length"
+    if stats.finish_reason == "eos" and block[0] in eos:
+        # EOS opened a round: the previous token was yielded before we knew it was last.
+        detok.finalize()
+        gen.text += detok.last_segment
+
+
+def _count_positions(stats: Stats, g: int, n: int) -> None:
+    while len(stats.drafted_by_position) < g:
+        stats.drafted_by_position.append(0)
+        stats.accepted_by_position.append(0)
+    for i in range(g):
+        stats.drafted_by_position[i] += 1
+        stats.accepted_by_position[i] += i < n

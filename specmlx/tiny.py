@@ -1,0 +1,152 @@
+"""Tiny random models of real architectures, written in the hub's on-disk layout.
+
+They exist so that tests, CI and a fresh machine without weights can run the whole
+engine offline: config.json + model.safetensors + a byte-level BPE tokenizer trained on
+the spot, loaded through the same code path as a real checkpoint. Their text is noise;
+their logits are real forward passes of mlx-lm's `llama` / `qwen2` classes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# ChatML, as Qwen uses it: enough for chat to exercise a real template.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_CORPUS = """\
+def fibonacci(n):
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+
+class Stack:
+    def __init__(self):
+        self.items = []
+
+    def push(self, item):
+        self.items.append(item)
+
+    def pop(self):
+        return self.items.pop()
+
+The quick brown fox jumps over the lazy dog. Speculative decoding lets a small draft
+model guess several tokens which the large target model then checks in one pass.
+Accept with probability min(1, p/q); on rejection, resample from the residual.
+Écrire du code, c'est penser deux fois. 数据 和 模型. Ünïcödé and emoji 🙂 stay intact.
+    indented    text   with   runs   of   spaces\tand\ttabs
+"""
+
+
+def train_tokenizer(vocab_size: int = 300):
+    """Train a byte-level BPE tokenizer (GPT-2 / Qwen style) on a small fixed corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    return tokenizer
+
+
+def _config(arch: str, vocab_size: int, hidden: int, layers: int) -> dict:
+    config = {
+        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
+        "model_type": arch,
+        "hidden_size": hidden,
+        "intermediate_size": hidden * 2,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 2048,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,  # tied random embeddings just echo the input token
+        "torch_dtype": "float32",
+        "bos_token_id": None,
+        "eos_token_id": None,
+    }
+    if arch == "llama":
+        config["head_dim"] = hidden // 4
+    return config
+
+
+def build_tiny_model(
+    path: str | Path,
+    arch: str = "qwen2",
+    seed: int = 0,
+    hidden: int = 64,
+    layers: int = 2,
+    pad_vocab_to: int = 64,
+    logit_scale: float = 4.0,
+    perturb_from: str | Path | None = None,
+    noise: float = 0.0,
+) -> Path:
+    """Write a random `arch` model with a trained tokenizer to `path`; return the path.
+
+    `pad_vocab_to` rounds the embedding table up the way real checkpoints do (Qwen pads
+    151,665 tokens to 151,936 or 152,064), so vocab-mismatch handling is exercised.
+    `logit_scale` sharpens the output distribution so acceptance is neither 0 nor 1.
+    With `perturb_from`, the weights are a copy of that model plus Gaussian `noise`
+    times each tensor's standard deviation: a draft that is close to, not equal to, it.
+    """
+    if arch not in ("qwen2", "llama"):
+        raise ValueError(f"tiny models exist for 'qwen2' and 'llama', not {arch!r}")
+    from mlx_lm.utils import _get_classes
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer()
+    n_tokens = tokenizer.get_vocab_size()
+    vocab_size = -(-n_tokens // pad_vocab_to) * pad_vocab_to
+    config = _config(arch, vocab_size, hidden, layers)
+    eos_id = tokenizer.token_to_id("<|im_end|>")
+    config["eos_token_id"] = eos_id
+
+    mx.random.seed(seed)
+    if perturb_from is not None:
+        weights = mx.load(str(Path(perturb_from) / "model.safetensors"))
+        for name, w in sorted(weights.items()):
+            weights[name] = w + noise * mx.std(w) * mx.random.normal(w.shape)
+    else:
+        model_class, args_class = _get_classes(config)
+        model = model_class(args_class.from_dict(config))
+        weights = dict(tree_flatten(model.parameters()))
+        weights["lm_head.weight"] = weights["lm_head.weight"] * logit_scale
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save(str(path / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "add_bos_token": False,
+        "model_max_length": 2048,
+        "chat_template": CHAT_TEMPLATE,
+        "added_tokens_decoder": {
+            str(tokenizer.token_to_id(t)): {"content": t, "special": True} for t in SPECIAL_TOKENS
+        },
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos_id]}))
+    return path

@@ -1,0 +1,32 @@
+"""Shared fixtures: tiny random models of real architectures, built once per session."""
+
+from __future__ import annotations
+
+import pytest
+
+import specmlx
+from specmlx.tiny import build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    """Paths of tiny models in the hub's layout: a qwen2 target, drafts for it, a llama."""
+    root = tmp_path_factory.mktemp("models")
+    target = build_tiny_model(root / "qwen2-target", arch="qwen2", seed=0)
+    return {
+        "target": target,
+        # close to the target: acceptance well between 0 and 1
+        "perturbed": build_tiny_model(
+            root / "qwen2-perturbed", seed=1, perturb_from=target, noise=0.1
+        ),
+        # same tokenizer, independent weights
+        "unrelated": build_tiny_model(root / "qwen2-unrelated", arch="qwen2", seed=2),
+        "llama": build_tiny_model(root / "llama-target", arch="llama", seed=3),
+        "llama_draft": build_tiny_model(root / "llama-draft", arch="llama", seed=4),
+    }
+
+
+@pytest.fixture(scope="session")
+def models(model_dirs):
+    """The same models loaded with specmlx.load (lazy, float32)."""
+    return {name: specmlx.load(path) for name, path in model_dirs.items()}
