@@ -8,7 +8,7 @@ for step in specmlx.generate(target, "Write quicksort in Python.", draft=draft):
 
 from .errors import SpecmlxError
 from .loading import Model, load
-from .speculative import Generation, Stats, Step, generate
+from .speculative import Generation, Session, Stats, Step, generate
 
 __version__ = "0.1.0"
-__all__ = ["Generation", "Model", "SpecmlxError", "Stats", "Step", "generate", "load"]
+__all__ = ["Generation", "Model", "Session", "SpecmlxError", "Stats", "Step", "generate", "load"]

@@ -11,8 +11,15 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from .loading import Model
-from .sampling import SamplingParams
-from .verify import make_sampler
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def prefill(model: Model, cache: list, tokens: list[int], step: int = 512) -> None:
@@ -23,39 +30,73 @@ def prefill(model: Model, cache: list, tokens: list[int], step: int = 512) -> No
         mx.eval([c.state for c in cache])
 
 
-class ModelDrafter:
-    """A small model that samples g tokens autoregressively from its own q."""
+def sync_cache(model: Model, cache: list, cached: list[int], tokens: list[int]) -> int:
+    """Make `cache` hold exactly `tokens`, reusing the longest prefix it already holds.
 
-    def __init__(self, model: Model, params: SamplingParams, vocab_size: int):
+    `cached` is what the cache held at the end of the last complete round; an
+    interrupted round may have left extra entries, which are trimmed first.
+    Returns how many tokens had to be processed (the prefill of this call).
+    """
+    offset = cache[0].offset if cache and hasattr(cache[0], "offset") else len(cached)
+    if offset > len(cached):
+        trim_prompt_cache(cache, offset - len(cached))
+    elif offset < len(cached):  # never expected; start over rather than trust it
+        for c in cache:
+            c.trim(c.offset)
+        cached.clear()
+    keep = common_prefix(cached, tokens)
+    trim_prompt_cache(cache, len(cached) - keep)
+    del cached[keep:]
+    prefill(model, cache, tokens[keep:])
+    cached.extend(tokens[keep:])
+    return len(tokens) - keep
+
+
+class ModelDrafter:
+    """A small model that samples g tokens autoregressively from its own q.
+
+    Its KV cache persists across generate() calls of a Session, like the target's.
+    """
+
+    def __init__(self, model: Model):
         self.model = model
         self.cache = make_prompt_cache(model.module)
-        self.draw = make_sampler(params, vocab_size)
-        self.pending: list[int] = []  # emitted tokens the draft has not processed yet
+        self.cached: list[int] = []  # tokens whose KV entries are in the cache
+        self.pending: list[int] = []  # emitted tokens not yet fed to the draft
 
-    def prefill(self, tokens: list[int]) -> None:
-        prefill(self.model, self.cache, tokens[:-1])
+    def prefill(self, tokens: list[int]) -> int:
+        """Hold tokens[:-1] in the cache; the last one is fed with the first proposal."""
+        processed = sync_cache(self.model, self.cache, self.cached, tokens[:-1])
         self.pending = tokens[-1:]
+        return processed
 
-    def propose(self, g: int, key: mx.array) -> tuple[mx.array, mx.array]:
-        """(g,) tokens and their (g, V) distributions, lazily (nothing is synced here)."""
+    def propose(self, g: int, key: mx.array, draw) -> tuple[mx.array, mx.array]:
+        """(g,) tokens and their (g, V) distributions, lazily (nothing is synced here).
+
+        `draw(logits, key) -> (probs, token)` is the compiled sampler for this call.
+        """
         x = mx.array(self.pending, mx.uint32)
+        self.cached += self.pending
         tokens, qs = [], []
         for k in mx.random.split(key, g):
             logits = self.model.module(x[None], cache=self.cache)[:, -1, :]
-            q, x = self.draw(logits, k)
+            q, x = draw(logits, k)
             mx.async_eval(x)
             tokens.append(x)
             qs.append(q)
         self.pending = []
         return mx.concatenate(tokens), mx.concatenate(qs)
 
-    def rollback(self, g: int, n: int, emitted: list[int]) -> None:
-        """The target accepted n of g drafts, then emitted `emitted` (drafts + its own)."""
+    def rollback(self, g: int, n: int, drafts: list[int], emitted: list[int]) -> None:
+        """The target accepted n of the g `drafts`, then emitted `emitted`."""
         if g == 0:
             self.pending += emitted
-        elif n == g:
-            # d_g was sampled but never fed through the draft: it goes in next round.
-            self.pending = emitted[-2:]
+            return
+        # The draft fed d_1..d_{g-1} through itself; d_g was sampled but never fed.
+        self.cached += drafts[: g - 1]
+        if n == g:
+            self.pending = emitted[-2:]  # [d_g, the bonus token]
         else:
             trim_prompt_cache(self.cache, g - 1 - n)
+            del self.cached[len(self.cached) - (g - 1 - n) :]
             self.pending = emitted[-1:]

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from .drafters import ModelDrafter, prefill
+from .drafters import ModelDrafter, sync_cache
 from .errors import SpecmlxError
 from .loading import Model, check_pair
 from .sampling import SamplingParams
@@ -33,6 +33,7 @@ class Step:
 @dataclass
 class Stats:
     prompt_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens actually processed (the rest came from the cache)
     tokens: int = 0  # emitted (EOS excluded)
     target_passes: int = 0  # target forward passes after prefill
     drafted: int = 0
@@ -63,7 +64,7 @@ class Stats:
 
     @property
     def prefill_tps(self) -> float:
-        return self.prompt_tokens / self.prefill_time if self.prefill_time else 0.0
+        return self.prefill_tokens / self.prefill_time if self.prefill_time else 0.0
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -91,6 +92,32 @@ def encode_prompt(model: Model, prompt: str | list[int]) -> list[int]:
     return ids
 
 
+class Session:
+    """Both models' KV caches, kept across generate() calls.
+
+    Pass the whole conversation each time: only the tokens after the longest prefix
+    already in the caches are prefilled, so a chat turn costs its new tokens only.
+    An interrupted call leaves the caches consistent for the next one.
+    """
+
+    def __init__(self, target: Model, draft: Model | None = None):
+        if draft is not None:
+            check_pair(target, draft)
+        self.target = target
+        self.draft = draft
+        self.cache = make_prompt_cache(target.module)
+        self.cached: list[int] = []  # tokens whose KV entries are in the target cache
+        self.drafter = ModelDrafter(draft) if draft is not None else None
+
+    @property
+    def vocab_size(self) -> int:
+        sizes = [self.target.vocab_size] + ([self.draft.vocab_size] if self.draft else [])
+        return min(sizes)
+
+    def reset(self) -> None:
+        self.__init__(self.target, self.draft)
+
+
 class Generation:
     """An iterator of Steps; `.stats`, `.tokens` and `.text` fill in as it runs."""
 
@@ -108,6 +135,10 @@ class Generation:
         self.tokens.append(step.token)
         self.text += step.text
         return step
+
+    def close(self) -> None:
+        """Stop early (e.g. on Ctrl-C); the session's caches stay consistent."""
+        self._steps.close()
 
     def run(self) -> Generation:
         """Consume the whole generation; return self for chaining."""
@@ -127,49 +158,49 @@ def generate(
     top_k: int = 0,
     num_draft: int = 4,
     seed: int = 0,
+    session: Session | None = None,
 ) -> Generation:
     """Generate from `target`, speculatively when a `draft` is given.
 
     The output distribution is exactly the target's (processed with temperature,
     top-k, top-p); at temperature 0 the tokens equal the target's own greedy tokens.
-    Iterate the result for Steps; its `.stats` holds the run's statistics.
+    Iterate the result for Steps; its `.stats` holds the run's statistics. With a
+    `session`, caches persist across calls (its draft is used unless num_draft is 0).
     """
     params = SamplingParams(temperature, top_p, top_k)
     if max_tokens < 1:
         raise SpecmlxError(f"max_tokens must be >= 1, got {max_tokens}")
-    if not isinstance(num_draft, int) or num_draft < 0:
+    if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 0:
         raise SpecmlxError(f"num_draft (gamma) must be an integer >= 0, got {num_draft!r}")
+    if session is None:
+        session = Session(target, draft)
+    elif session.target is not target or (draft is not None and session.draft is not draft):
+        raise SpecmlxError("this session was made for other models; make a new Session")
     ids = encode_prompt(target, prompt)
-    vocab = target.vocab_size
-    drafter = None
-    if draft is not None and num_draft > 0:
-        check_pair(target, draft)
-        vocab = min(vocab, draft.vocab_size)
-        drafter = ModelDrafter(draft, params, vocab)
 
     def steps(gen: Generation) -> Iterator[Step]:
-        gen.stats.gamma = num_draft if drafter else 0
-        yield from _decode(target, drafter, ids, params, vocab, max_tokens, num_draft, seed, gen)
+        yield from _decode(session, ids, params, max_tokens, num_draft, seed, gen)
 
     return Generation(steps)
 
 
 def _decode(
-    target: Model,
-    drafter: ModelDrafter | None,
+    session: Session,
     ids: list[int],
     params: SamplingParams,
-    vocab: int,
     max_tokens: int,
     gamma: int,
     seed: int,
     gen: Generation,
 ) -> Iterator[Step]:
+    target, cache, cached = session.target, session.cache, session.cached
+    drafter = session.drafter if gamma > 0 else None
+    vocab = session.vocab_size
     stats = gen.stats
+    stats.gamma = gamma if drafter else 0
     stats.prompt_tokens = len(ids)
     start = time.perf_counter()
-    cache = make_prompt_cache(target.module)
-    prefill(target, cache, ids[:-1])
+    stats.prefill_tokens = sync_cache(target, cache, cached, ids[:-1])
     if drafter is not None:
         drafter.prefill(ids)
     stats.prefill_time = time.perf_counter() - start
@@ -179,6 +210,7 @@ def _decode(
     detok = target.tokenizer.detokenizer
     key = mx.random.key(seed)
     last = ids[-1]
+    block = []
     decode_start = time.perf_counter()
 
     while stats.tokens < max_tokens:
@@ -188,7 +220,7 @@ def _decode(
         t0 = time.perf_counter()
         if g > 0:
             draft_key, verify_key = mx.random.split(round_key)
-            draft_tokens, q = drafter.propose(g, draft_key)
+            draft_tokens, q = drafter.propose(g, draft_key, draw)
             mx.eval(draft_tokens, q)
             t1 = time.perf_counter()
             x = mx.concatenate([mx.array([last], mx.uint32), draft_tokens])
@@ -209,9 +241,12 @@ def _decode(
             n, token, drafts = 0, token.item(), []
         stats.verify_time += time.perf_counter() - t1
         stats.target_passes += 1
+        cached += [last] + drafts[:n]
         block = drafts[:n] + [token]
         if drafter is not None:
-            drafter.rollback(g, n, block)
+            drafter.rollback(g, n, drafts, block)
+        elif session.drafter is not None:
+            session.drafter.pending += block  # drafting is off; it catches up later
         last = token
         for i, t in enumerate(block):
             if t in eos:
