@@ -130,7 +130,9 @@ def build_tiny_model(
         model_class, args_class = _get_classes(config)
         model = model_class(args_class.from_dict(config))
         weights = dict(tree_flatten(model.parameters()))
-        weights["lm_head.weight"] = weights["lm_head.weight"] * logit_scale
+        head = weights["lm_head.weight"] * logit_scale
+        head[n_tokens:] = 0  # padding rows are never trained in real checkpoints either
+        weights["lm_head.weight"] = head
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
 
     (path / "config.json").write_text(json.dumps(config, indent=2))
