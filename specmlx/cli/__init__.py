@@ -31,6 +31,7 @@ def _root(
 
 def _register() -> None:
     from . import generate  # noqa: F401  (commands register themselves on `app`)
+    from . import quantize  # noqa: F401
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,5 @@
+"""`python -m specmlx`: the same entry point as the `specmlx` command."""
+
+from .cli import main
+
+main()

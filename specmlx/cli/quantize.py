@@ -1,0 +1,79 @@
+"""`specmlx quantize`: a HF directory, hub id or .gguf file → an MLX INT4 directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from . import app
+
+
+def progress_bar(console: Console) -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TaskProgressColumn(),
+        DownloadColumn(),
+        TextColumn("{task.fields[tensors]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+    )
+
+
+def summary_line(summary) -> str:
+    parts = [
+        f"{summary.parameters / 1e6:.1f} M parameters",
+        f"{summary.size_bytes / 2**20:.1f} MiB on disk",
+        f"{summary.bits_per_weight:.3f} bits/weight",
+        f"{summary.shards} shard{'s' if summary.shards > 1 else ''}",
+        f"{summary.seconds:.1f} s",
+    ]
+    return " · ".join(parts)
+
+
+@app.command()
+def quantize(
+    src: str = typer.Argument(..., help="HF safetensors directory, hub id, or .gguf file."),
+    out: Path = typer.Option(..., "--out", "-o", help="Output directory (must not exist)."),
+    bits: int = typer.Option(4, "--bits", "-b", help="Bits per weight: 2, 3, 4, 6 or 8."),
+    group_size: int = typer.Option(64, "--group-size", "-g", help="Weights per scale: 32/64/128."),
+    embed_bits: int = typer.Option(
+        8, "--embed-bits", help="Bits for the embedding and output head (16 = unquantized)."
+    ),
+    dtype: str = typer.Option(
+        None, "--dtype", help="float16 or bfloat16 for scales and unquantized tensors."
+    ),
+    force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),
+) -> None:
+    """Quantize a checkpoint into an MLX directory that specmlx and mlx-lm both load."""
+    from ..convert import quantize as run
+
+    console = Console(stderr=True, soft_wrap=True)
+    with progress_bar(console) as bar:
+        task = bar.add_task("quantizing", total=None, tensors="")
+
+        def on_progress(p) -> None:
+            bar.update(
+                task,
+                total=p.bytes_total,
+                completed=p.bytes_done,
+                tensors=f"{p.tensors_done}/{p.tensors_total} tensors",
+            )
+
+        summary = run(src, out, bits, group_size, embed_bits, dtype, force, on_progress=on_progress)
+    console.print(f"[green]wrote {summary.out}[/green]: {summary_line(summary)}")
+    if summary.unquantized:
+        console.print(f"left unquantized: {', '.join(summary.unquantized)}")

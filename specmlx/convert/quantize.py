@@ -1,0 +1,472 @@
+"""Any supported checkpoint → an MLX affine-quantized directory in mlx-lm's exact format.
+
+The model is never held in memory: the target architecture's mlx-lm class is built
+lazily only to learn parameter names, shapes and which layers quantize; then each
+tensor is read a chunk of rows at a time, cast, quantized with `mx.quantize` (the call
+mlx-lm's `nn.quantize` makes, so the packed bits are identical) and streamed into a
+pre-planned shard. Everything lands in a temp dir beside OUT that is renamed into place
+only when complete, so an error or Ctrl-C leaves no partial OUT behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..errors import SpecmlxError
+from . import shards
+
+BITS = (2, 3, 4, 6, 8)
+GROUP_SIZES = (32, 64, 128)
+KEEP = 16  # --embed-bits 16: leave embedding and head unquantized, in --dtype
+OUTPUT_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+# Architectures whose mlx-lm `sanitize` only drops or renames tensors, so it can run on
+# tensor descriptions instead of loaded arrays (what streaming needs).
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+MAX_SHARD_BYTES = 5 << 30  # mlx-lm's MAX_FILE_SIZE_GB
+CHUNK_ELEMENTS = 1 << 23  # rows read per step: ~32 MB of float32, whatever the tensor
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
+
+@dataclass
+class SourceTensor:
+    """One tensor of the source under its mlx-lm name, readable a range of rows at a time."""
+
+    shape: tuple[int, ...]
+    nbytes: int  # bytes it occupies in the source (drives the progress bar)
+    read_rows: Callable[[int, int], mx.array]  # rows [start, stop) as a floating array
+    row_align: int = 1  # reads must start and stop on multiples of this (GGUF head blocks)
+
+
+@dataclass
+class Source:
+    """A checkpoint opened for streaming: config, tensors by mlx-lm name, tokenizer."""
+
+    location: str  # as the user gave it
+    path: Path  # the file or directory it resolved to
+    format: str  # "safetensors" or "gguf"
+    config: dict
+    tensors: dict[str, SourceTensor]
+    fingerprint: str  # sha256 of what identifies the source (see `fingerprint_of`)
+    fingerprint_of: str
+    write_tokenizer: Callable[[Path], None]
+
+
+@dataclass
+class Progress:
+    tensor: str
+    tensors_done: int
+    tensors_total: int
+    bytes_done: int
+    bytes_total: int
+
+
+@dataclass
+class Summary:
+    out: Path
+    source: str
+    parameters: int
+    size_bytes: int
+    bits_per_weight: float
+    seconds: float
+    shards: int
+    unquantized: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Spec:
+    """What happens to one source tensor: its outputs and, if quantized, how."""
+
+    name: str
+    outputs: list[shards.Planned]
+    bits: int | None = None
+
+
+def check_settings(bits: int, group_size: int, embed_bits: int, dtype: str | None) -> None:
+    if bits not in BITS:
+        raise SpecmlxError(f"--bits must be one of {', '.join(map(str, BITS))}, got {bits}")
+    if group_size not in GROUP_SIZES:
+        raise SpecmlxError(
+            f"--group-size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size}"
+        )
+    if embed_bits not in (*BITS, KEEP):
+        raise SpecmlxError(
+            f"--embed-bits must be one of {', '.join(map(str, BITS))} or {KEEP} (unquantized), "
+            f"got {embed_bits}"
+        )
+    if dtype is not None and dtype not in OUTPUT_DTYPES:
+        raise SpecmlxError(f"--dtype must be one of {', '.join(OUTPUT_DTYPES)}, got {dtype!r}")
+
+
+def open_source(src: str | Path) -> Source:
+    """A .gguf file, a Hugging Face safetensors directory, or a hub id (fetched if needed)."""
+    from ..loading import resolve_path
+
+    path = Path(src).expanduser()
+    if path.suffix.lower() == ".gguf" or path.is_file():
+        from .gguf import open_gguf
+
+        if not path.exists():
+            raise SpecmlxError(f"GGUF file {path} does not exist")
+        return open_gguf(path)
+    return open_safetensors_dir(resolve_path(src), str(src))
+
+
+def open_safetensors_dir(path: Path, location: str) -> Source:
+    config = read_model_config(path)
+    check_arch(config.get("model_type"))
+    index_file = path / "model.safetensors.index.json"
+    if index_file.exists():
+        try:
+            files = sorted(set(json.loads(index_file.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError):
+            raise SpecmlxError(f"{index_file} is corrupt: no valid weight_map") from None
+        weight_files = [path / name for name in files]
+        missing = [f.name for f in weight_files if not f.exists()]
+        if missing:
+            raise SpecmlxError(f"{path} is incomplete: {', '.join(missing)} listed but absent")
+    else:
+        weight_files = sorted(path.glob("model*.safetensors"))
+    if not weight_files:
+        raise SpecmlxError(
+            f"{path} has no model*.safetensors weights (PyTorch .bin checkpoints are not read)"
+        )
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    if index_file.exists():
+        digest.update(index_file.read_bytes())
+    tensors = {}
+    for file in weight_files:
+        stored, raw_header = shards.read_header(file)
+        digest.update(raw_header)
+        for name, t in stored.items():
+            tensors[name] = SourceTensor(t.shape, t.nbytes, t.read_rows)
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise SpecmlxError(f"{path} has no tokenizer (tokenizer.json, tokenizer.model, vocab.json)")
+
+    def copy_tokenizer(out: Path) -> None:
+        for name in TOKENIZER_FILES:
+            if (path / name).exists():
+                shutil.copy(path / name, out / name)
+        for file in path.glob("*.tiktoken"):
+            shutil.copy(file, out / file.name)
+
+    return Source(
+        location,
+        path,
+        "safetensors",
+        config,
+        tensors,
+        digest.hexdigest(),
+        "config.json, model.safetensors.index.json and the safetensors headers",
+        copy_tokenizer,
+    )
+
+
+def read_model_config(path: Path) -> dict:
+    from ..loading import read_config
+
+    config = read_config(path)
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise SpecmlxError(f"{path / 'config.json'} is malformed: it has no model_type")
+    if "quantization" in config or "quantization_config" in config:
+        raise SpecmlxError(
+            f"{path} is already quantized; quantize its original float checkpoint instead"
+        )
+    return config
+
+
+def check_arch(model_type: str | None) -> None:
+    if model_type not in SUPPORTED_ARCHS:
+        raise SpecmlxError(
+            f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED_ARCHS)}"
+        )
+
+
+def build_skeleton(config: dict) -> nn.Module:
+    """The mlx-lm model with lazy, never-evaluated random weights: names and shapes only."""
+    from mlx_lm.utils import _get_classes
+
+    try:
+        model_class, args_class = _get_classes(config)
+        return model_class(args_class.from_dict(config))
+    except (ValueError, TypeError, KeyError) as e:
+        raise SpecmlxError(f"config.json does not describe a valid model: {e}") from None
+
+
+def plan(
+    source: Source, bits: int, group_size: int, embed_bits: int, dtype: str
+) -> tuple[list[_Spec], dict, list[str]]:
+    """Per tensor: outputs and bits; the config's `quantization` entry; unquantized layers.
+
+    Which layers quantize follows mlx-lm's `quantize_model`: every module that can
+    (`to_quantized`) and whose input dimension divides into groups.
+    """
+    model = build_skeleton(source.config)
+    tensors = source.tensors
+    if hasattr(model, "sanitize"):
+        tensors = model.sanitize(dict(tensors))
+    expected = dict(tree_flatten(model.parameters()))
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    if missing or extra:
+        problems = []
+        if missing:
+            problems.append(f"missing {', '.join(missing[:4])}{' …' if len(missing) > 4 else ''}")
+        if extra:
+            problems.append(f"unexpected {', '.join(extra[:4])}{' …' if len(extra) > 4 else ''}")
+        raise SpecmlxError(
+            f"{source.path}: tensors do not match the config's architecture ({'; '.join(problems)})"
+        )
+    quantization: dict = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    layer_bits: dict[str, int] = {}
+    unquantized = []
+    for path, module in model.named_modules():
+        if not hasattr(module, "to_quantized"):
+            continue
+        is_embedding = isinstance(module, nn.Embedding) or path.split(".")[-1] == "lm_head"
+        if module.weight.shape[-1] % group_size != 0:
+            unquantized.append(path)
+        elif is_embedding and embed_bits == KEEP:
+            unquantized.append(path)
+        elif is_embedding and embed_bits != bits:
+            layer_bits[path] = embed_bits
+            quantization[path] = {"group_size": group_size, "bits": embed_bits, "mode": "affine"}
+        else:
+            layer_bits[path] = bits
+    type_name = shards.NAMES[OUTPUT_DTYPES[dtype]]
+    specs = []
+    for name, param in expected.items():
+        if tuple(tensors[name].shape) != tuple(param.shape):
+            raise SpecmlxError(
+                f"{source.path}: tensor {name} has shape {tuple(tensors[name].shape)}, "
+                f"the config implies {tuple(param.shape)}"
+            )
+        module_path, _, leaf = name.rpartition(".")
+        layer = layer_bits.get(module_path) if leaf == "weight" else None
+        if layer is None:
+            specs.append(_Spec(name, [shards.Planned(name, type_name, tuple(param.shape))]))
+            continue
+        *outer, cols = param.shape
+        outputs = [
+            shards.Planned(name, "U32", (*outer, cols * layer // 32)),
+            shards.Planned(f"{module_path}.scales", type_name, (*outer, cols // group_size)),
+            shards.Planned(f"{module_path}.biases", type_name, (*outer, cols // group_size)),
+        ]
+        specs.append(_Spec(name, outputs, layer))
+    return specs, quantization, unquantized
+
+
+def check_output(out: Path, source_path: Path, force: bool) -> None:
+    source_path = source_path.resolve()
+    resolved = out.resolve()
+    if resolved == source_path or source_path.is_relative_to(resolved):
+        raise SpecmlxError(f"OUT {out} would overwrite the source {source_path}; pick another OUT")
+    if source_path.is_dir() and resolved.is_relative_to(source_path):
+        raise SpecmlxError(f"OUT {out} is inside the source {source_path}; pick a path outside it")
+    if (out.exists() or out.is_symlink()) and not force:
+        raise SpecmlxError(f"{out} already exists; pass --force to replace it")
+
+
+@contextmanager
+def atomic_directory(out: Path) -> Iterator[Path]:
+    """A temp dir beside `out`, renamed to `out` (replacing it) only if the block succeeds.
+
+    On any exception, KeyboardInterrupt included, the temp dir and any parent directories
+    created for it are removed, so a failure leaves the file system as it was.
+    """
+    created = [p for p in [out.parent, *out.parent.parents] if not p.exists()]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists() or out.is_symlink():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            out.rename(old / "replaced")
+            tmp.rename(out)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for directory in created:  # deepest first
+            try:
+                directory.rmdir()
+            except OSError:
+                break
+        raise
+
+
+def _stream_tensor(
+    writer: shards.ShardWriter,
+    tensor: SourceTensor,
+    spec: _Spec,
+    dtype: mx.Dtype,
+    group_size: int,
+    advance: Callable[[int], None],
+) -> None:
+    rows = tensor.shape[0]
+    row_elems = int(np.prod(tensor.shape[1:], dtype=np.int64))
+    align = tensor.row_align
+    step = max(align, CHUNK_ELEMENTS // max(row_elems, 1) // align * align)
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        x = tensor.read_rows(start, stop).astype(dtype)
+        if spec.bits is None:
+            arrays = [x]
+        else:
+            arrays = list(mx.quantize(x, group_size, spec.bits))  # packed weight, scales, biases
+        mx.eval(arrays)
+        for planned, array in zip(spec.outputs, arrays, strict=True):
+            writer.write_rows(planned.name, start, array)
+        advance(tensor.nbytes * (stop - start) // rows)
+        del x, arrays
+
+
+def quantize(
+    src: str | Path,
+    out: str | Path,
+    bits: int = 4,
+    group_size: int = 64,
+    embed_bits: int = 8,
+    dtype: str | None = None,
+    force: bool = False,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    on_progress: Callable[[Progress], None] | None = None,
+) -> Summary:
+    """Convert `src` (HF dir, hub id or .gguf) into an MLX quantized directory at `out`.
+
+    `embed_bits` applies to the embedding and output head (16 keeps them unquantized);
+    `dtype` is that of scales, biases and unquantized tensors (default: the source's
+    float16/bfloat16, else float16).
+    """
+    from .. import __version__
+
+    t_start = time.perf_counter()
+    check_settings(bits, group_size, embed_bits, dtype)
+    out = Path(out).expanduser().absolute()
+    source = open_source(src)
+    check_output(out, source.path, force)
+    if dtype is None:
+        torch_dtype = source.config.get("torch_dtype")
+        dtype = torch_dtype if torch_dtype in ("float16", "bfloat16") else "float16"
+    specs, quantization, unquantized = plan(source, bits, group_size, embed_bits, dtype)
+    planned_shards = shards.plan_shards((s.outputs for s in specs), max_shard_bytes)
+    size_bytes = sum(t.nbytes for shard in planned_shards for t in shard)
+    parameters = sum(int(np.prod(source.tensors[s.name].shape)) for s in specs)
+    free = shutil.disk_usage(_existing_ancestor(out)).free
+    if free < size_bytes + (64 << 20):
+        raise SpecmlxError(
+            f"not enough disk space for {out}: needs {size_bytes / 1e9:.2f} GB, "
+            f"{free / 1e9:.2f} GB free"
+        )
+
+    bytes_total = sum(source.tensors[s.name].nbytes for s in specs)
+    done = {"bytes": 0, "tensors": 0}
+
+    def advance(nbytes: int, name: str) -> None:
+        done["bytes"] += nbytes
+        if on_progress is not None:
+            on_progress(Progress(name, done["tensors"], len(specs), done["bytes"], bytes_total))
+
+    previous_cache_limit = mx.set_cache_limit(0)  # freed chunks go back to the OS at once
+    try:
+        with atomic_directory(out) as tmp:
+            writer = shards.ShardWriter(tmp, planned_shards)
+            try:
+                for spec in specs:
+                    tensor = source.tensors[spec.name]
+                    _stream_tensor(
+                        writer,
+                        tensor,
+                        spec,
+                        OUTPUT_DTYPES[dtype],
+                        group_size,
+                        lambda n, name=spec.name: advance(n, name),
+                    )
+                    done["tensors"] += 1
+                    advance(0, spec.name)
+            finally:
+                writer.close()
+            _write_metadata(tmp, source, writer, quantization, dtype, size_bytes, parameters)
+            bits_per_weight = size_bytes * 8 / parameters
+            info = {
+                "source": source.location,
+                "source_format": source.format,
+                "source_sha256": source.fingerprint,
+                "source_sha256_of": source.fingerprint_of,
+                "bits": bits,
+                "group_size": group_size,
+                "embed_bits": embed_bits,
+                "dtype": dtype,
+                "bits_per_weight": round(bits_per_weight, 4),
+                "parameters": parameters,
+                "unquantized": unquantized,
+                "created_with": f"specmlx {__version__} (mlx {mx.__version__})",
+            }
+            (tmp / "specmlx.json").write_text(json.dumps(info, indent=2) + "\n")
+    finally:
+        mx.set_cache_limit(previous_cache_limit)
+    return Summary(
+        out,
+        source.location,
+        parameters,
+        size_bytes,
+        bits_per_weight,
+        time.perf_counter() - t_start,
+        len(planned_shards),
+        unquantized,
+    )
+
+
+def _existing_ancestor(path: Path) -> Path:
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def _write_metadata(
+    tmp: Path,
+    source: Source,
+    writer: shards.ShardWriter,
+    quantization: dict,
+    dtype: str,
+    size_bytes: int,
+    parameters: int,
+) -> None:
+    """config.json, the shard index and the tokenizer, as mlx-lm's `save` writes them."""
+    from mlx_lm.utils import save_config
+
+    config = dict(source.config)
+    config["quantization"] = quantization
+    config["torch_dtype"] = dtype
+    save_config(config, tmp / "config.json")
+    weight_map = {name: writer.names[writer.location[name][0]] for name in sorted(writer.location)}
+    index = {
+        "metadata": {"total_size": size_bytes, "total_parameters": parameters},
+        "weight_map": weight_map,
+    }
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
+    source.write_tokenizer(tmp)
