@@ -30,7 +30,7 @@ def _root(
 
 
 def _register() -> None:
-    from . import generate  # noqa: F401  (commands register themselves on `app`)
+    from . import bench, generate  # noqa: F401  (commands register themselves on `app`)
     from . import quantize  # noqa: F401
 
 

@@ -1,0 +1,287 @@
+"""`specmlx bench`: target alone vs specmlx vs mlx-lm speculative, one interleaved run."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from . import app, options
+
+# --quick: a few short prompts, few tokens, one γ, greedy: minutes, not hours, on a slow CPU
+QUICK = {"prompts": 4, "max_tokens": 48, "gamma": "4", "temperature": "0"}
+DEFAULTS = {"max_tokens": 128, "gamma": "1,2,4,6", "temperature": "0,0.7,1.0"}
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    seconds = int(seconds)
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def _num(value, fmt: str = ".2f", suffix: str = "") -> str:
+    return "–" if value is None else f"{value:{fmt}}{suffix}"
+
+
+def _speedup(row: dict) -> str:
+    if row["speedup_median"] is None:
+        return "–"
+    return f"{row['speedup_median']:.2f}× [{row['speedup_min']:.2f}–{row['speedup_max']:.2f}]"
+
+
+def render(result: dict, console: Console) -> None:
+    """Overall table per temperature, then speedup by category, then divergences."""
+    modes = result["settings"]["modes"]
+    rows = result["summary"]
+    for temp in result["settings"]["temperatures"]:
+        table = Table(
+            title=f"T={temp:g} · all categories · medians over prompts", title_justify="left"
+        )
+        for col in (
+            "mode", "tok/s", "speedup [min–max]", "total", "e2e", "α", "τ",
+            "draft", "prefill tok/s", "TTFT s", "peak MB", "greedy same",
+        ):  # fmt: skip
+            table.add_column(col, justify="left" if col == "mode" else "right")
+        for mode in modes:
+            row = next(
+                (r for r in rows if r["mode"] == mode and r["temperature"] == temp
+                 and r["category"] == "all"),
+                None,
+            )  # fmt: skip
+            if row is None:
+                continue
+            greedy = (
+                f"{row['greedy_checked'] - row['greedy_divergent']}/{row['greedy_checked']}"
+                if row["greedy_checked"]
+                else "–"
+            )
+            table.add_row(
+                mode,
+                f"{row['decode_tps_median']:.2f}",
+                _speedup(row),
+                _num(row["speedup_total"], suffix="×"),
+                _num(row["e2e_speedup_median"], suffix="×"),
+                _num(row["alpha"]),
+                _num(row["tau"]),
+                _num(row["draft_share"] and 100 * row["draft_share"], ".0f", "%"),
+                f"{row['prefill_tps_median']:.1f}",
+                f"{row['ttft_s_median']:.2f}",
+                f"{row['peak_memory_bytes'] / 2**20:.0f}",
+                greedy,
+            )
+        console.print(table)
+
+        categories = sorted({r["category"] for r in rows if r["temperature"] == temp} - {"all"})
+        spec_modes = [m for m in modes if m != "target"]
+        if len(categories) > 1 and spec_modes:
+            by_cat = Table(
+                title=f"T={temp:g} · speedup by category (median of pairs, τ in brackets)",
+                title_justify="left",
+            )
+            by_cat.add_column("category")
+            by_cat.add_column("n", justify="right")
+            for mode in spec_modes:
+                by_cat.add_column(mode, justify="right")
+            for category in categories:
+                cells, n = [], 0
+                for mode in spec_modes:
+                    row = next(
+                        (r for r in rows if r["mode"] == mode and r["temperature"] == temp
+                         and r["category"] == category),
+                        None,
+                    )  # fmt: skip
+                    n = max(n, row["prompts"] if row else 0)
+                    cells.append(
+                        f"{row['speedup_median']:.2f}× ({_num(row['tau'])})"
+                        if row and row["speedup_median"] is not None
+                        else "–"
+                    )
+                by_cat.add_row(category, str(n), *cells)
+            console.print(by_cat)
+
+    divergent = [r for r in result["runs"] if r["matches_target"] is False]
+    for r in divergent:
+        console.print(
+            f"[yellow]greedy divergence: {r['mode']} on {r['prompt_id']} differs from the "
+            f"target alone at token {r['diverges_at']}[/yellow]"
+        )
+    m, cold = result["machine"], result["cold_start"]
+    console.print(
+        f"[dim]{m['cpu']} · {m['cores']} cores · {m['backend']} · mlx {m['mlx']} · "
+        f"mlx-lm {m['mlx_lm']} · BLAS {m['blas']['active'] or 'not found'} · "
+        f"cold start: load {_num(cold['load_s'])} s + "
+        f"first call {_num(cold['first_call_wall_s'])} s"
+        f" · peak RSS {result['memory']['rss_peak_bytes'] / 2**20:.0f} MB · "
+        f"run {_duration(result['duration_s'])}[/dim]"
+    )
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False))
+    tmp.replace(path)
+
+
+@app.command()
+def bench(
+    model: str = options.Model,
+    draft: str = options.Draft,
+    dtype: str = options.Dtype,
+    gamma: str = typer.Option(
+        None,
+        "--gamma",
+        "-g",
+        help="Comma-separated γ values to compare [default: 1,2,4,6, plus auto when available].",
+    ),
+    temperature: str = typer.Option(
+        None, "--temperature", "-t", help="Comma-separated temperatures [default: 0,0.7,1.0]."
+    ),
+    categories: str = typer.Option(
+        None, "--categories", "-c", help="Comma-separated categories; 'mt-bench' = its eight."
+    ),
+    split: str = typer.Option(
+        "tune", "--split", help="tune | heldout | all (never tune against heldout)."
+    ),
+    prompts: int = typer.Option(
+        None, "--prompts", "--limit", help="Prompts in all, round-robin over categories."
+    ),
+    shortest: bool = typer.Option(False, "--shortest", help="Shortest prompts of each category."),
+    max_tokens: int = typer.Option(
+        None, "--max-tokens", "-n", help="Tokens per run [default: 128]."
+    ),
+    quick: bool = typer.Option(
+        False, "--quick", help="4 shortest prompts × 48 tokens, γ 4 (+auto), greedy."
+    ),
+    seed: int = options.Seed,
+    raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
+    mlx_lm: bool = typer.Option(
+        True, "--mlx-lm/--no-mlx-lm", help="Also run mlx-lm's speculative."
+    ),
+    mlx_lm_target: bool = typer.Option(
+        False, "--mlx-lm-target", help="Also run mlx-lm's plain decoding (its own baseline)."
+    ),
+    warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Untimed first call per mode."),
+    json_path: Path = typer.Option(None, "--json", help="Write every raw figure to this file."),
+    plot_path: Path = typer.Option(None, "--plot", help="Write a PNG plot (needs matplotlib)."),
+    suite_dir: Path = typer.Option(
+        None, "--suite-dir", help="Prompt suite folder [default: the checkout's bench/prompts]."
+    ),
+) -> None:
+    """Benchmark target alone vs speculative decoding (specmlx and mlx-lm), interleaved."""
+    from .. import bench as lib
+
+    err = Console(stderr=True, soft_wrap=True)
+    preset = QUICK if quick else {}
+    gamma = gamma or preset.get("gamma") or DEFAULTS["gamma"]
+    auto = lib.supports_auto()
+    gammas = lib.parse_gammas(gamma, auto)
+    if auto and "auto" not in gammas and "auto" not in gamma:
+        gammas = ["auto", *gammas]  # the default policy is always worth seeing
+    temps = lib.parse_temperatures(
+        temperature or preset.get("temperature") or DEFAULTS["temperature"]
+    )
+    max_tokens = max_tokens or preset.get("max_tokens") or DEFAULTS["max_tokens"]
+    if max_tokens < 1:
+        raise options.SpecmlxError(f"--max-tokens must be >= 1, got {max_tokens}")
+    suite = lib.read_suite(suite_dir or lib.SUITE_DIR)
+    chosen = lib.select_prompts(
+        suite,
+        split=split,
+        categories=[c.strip() for c in categories.split(",") if c.strip()] if categories else None,
+        limit=prompts or preset.get("prompts"),
+        shortest=shortest or quick,
+    )
+    if plot_path is not None:
+        try:
+            import matplotlib  # noqa: F401  (fail before hours of running, not after)
+        except ImportError:
+            raise options.SpecmlxError(
+                "--plot needs matplotlib; install it with `pip install 'specmlx[bench]'`"
+            ) from None
+    log = lambda msg: err.print(f"[dim]{msg}[/dim]")  # noqa: E731
+    t_load = time.perf_counter()
+    target, drafter = options.load_pair(model, draft, False, dtype, log)
+    load_s = time.perf_counter() - t_load
+    if drafter is None:
+        raise options.SpecmlxError("bench needs a draft model: pass --draft")
+    modes = lib.build_modes(gammas, mlx_lm=mlx_lm, mlx_lm_target=mlx_lm_target)
+    runs = len(chosen) * len(temps) * len(modes)
+    log(
+        f"{len(chosen)} prompts × {len(temps)} temperatures × {len(modes)} modes = {runs} runs "
+        f"of ≤ {max_tokens} tokens; modes: {', '.join(m.name for m in modes)}"
+    )
+    if not auto:
+        log("specmlx has no adaptive γ yet: auto is not measured")
+
+    def progress(event: dict) -> None:
+        if event["phase"] == "warmup":
+            log(
+                f"warm-up {event['index'] + 1}/{event['total']} · {event['mode']} · "
+                f"T={event['temperature']:g}"
+            )
+            return
+        if json_path is not None and event["records"] and event["index"] % len(modes) == 0:
+            # A long run that dies still leaves its finished blocks on disk.
+            _write_json(
+                json_path,
+                {"schema": lib.SCHEMA, "partial": True,
+                 "runs": [r.to_dict() for r in event["records"]]},
+            )  # fmt: skip
+        log(
+            f"run {event['index'] + 1}/{event['total']} · prompt {event['prompt'] + 1}/"
+            f"{event['prompts']} {event['prompt_id']} · {event['mode']} · "
+            f"T={event['temperature']:g} · elapsed {_duration(event['elapsed_s'])} · "
+            f"ETA {_duration(event['eta_s'])}"
+        )
+
+    result = lib.run_bench(
+        target,
+        drafter,
+        chosen,
+        modes,
+        temps,
+        max_tokens=max_tokens,
+        seed=seed,
+        chat_template=not raw,
+        warmup=warmup,
+        load_s=load_s,
+        progress=progress,
+    )
+    result["argv"] = sys.argv
+    # Every resolved setting spelled out, so the run can be repeated whatever the defaults become.
+    parts = [
+        "specmlx bench",
+        f"--model {target.path} --draft {drafter.path} --dtype {dtype}",
+        f"--gamma {','.join(str(g) for g in gammas)}",
+        f"--temperature {','.join(f'{t:g}' for t in temps)}",
+        f"--split {split}",
+        f"--categories {categories}" if categories else "",
+        f"--prompts {len(chosen)}",
+        "--shortest" if shortest or quick else "",
+        f"--max-tokens {max_tokens} --seed {seed}",
+        "--raw" if raw else "",
+        "" if mlx_lm else "--no-mlx-lm",
+        "--mlx-lm-target" if mlx_lm_target else "",
+        "" if warmup else "--no-warmup",
+    ]
+    result["command"] = " ".join(part for part in parts if part)
+    result["settings"].update(split=split, categories=categories, quick=quick)
+    out = Console()
+    if not out.is_terminal:  # logs and pipes: wide enough that the table is not wrapped
+        out = Console(width=180)
+    render(result, out)
+    if json_path is not None:
+        _write_json(json_path, result)
+        log(f"wrote {json_path}")
+    if plot_path is not None:
+        lib.plot(result, plot_path)
+        log(f"wrote {plot_path}")

@@ -1,0 +1,222 @@
+"""specmlx bench: prompt selection, interleaving, ratio arithmetic, greedy check, end to end."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import pytest
+
+from specmlx import bench
+from specmlx.bench import Mode, RunRecord
+from specmlx.cli import main
+from specmlx.errors import SpecmlxError
+
+
+def record(prompt_id: str, mode: str, tokens: int, decode_s: float, **kw) -> RunRecord:
+    gamma = 0 if mode == "target" else int(mode.split(":")[1])
+    fields = dict(
+        prompt_id=prompt_id,
+        category=kw.pop("category", "qa"),
+        temperature=kw.pop("temperature", 0.0),
+        mode=mode,
+        engine="specmlx" if mode == "target" else mode.split(":")[0],
+        gamma=gamma,
+        order=0,
+        prompt_tokens=10,
+        tokens=tokens,
+        token_ids=kw.pop("token_ids", list(range(tokens))),
+        text="",
+        finish_reason="length",
+        prefill_s=1.0,
+        ttft_s=1.0,
+        decode_s=decode_s,
+        wall_s=decode_s + 1.0,
+        target_passes=tokens,
+        drafted=0,
+        accepted=0,
+        draft_s=None,
+        peak_memory_bytes=0,
+        rss_bytes=0,
+    )
+    fields.update(kw)
+    return RunRecord(**fields)
+
+
+def test_split_honours_the_held_out_rule():
+    suite = bench.read_suite()
+    assert len(suite) == 560
+    tune = bench.select_prompts(suite, split="tune")
+    heldout = bench.select_prompts(suite, split="heldout")
+    assert len(tune) + len(heldout) == 560
+    assert not {"math_reasoning", "rag"} & {p.category for p in tune}
+    assert {p.category for p in heldout} == {"math_reasoning", "rag", "humaneval"}
+    humaneval_ids = lambda ps: {int(p.id.split("/")[1]) for p in ps if p.category == "humaneval"}  # noqa: E731
+    assert humaneval_ids(tune) == set(range(40))
+    assert humaneval_ids(heldout) == set(range(40, 80))
+    with pytest.raises(SpecmlxError, match="held out"):
+        bench.select_prompts(suite, split="tune", categories=["rag"])
+    with pytest.raises(SpecmlxError, match="unknown category"):
+        bench.select_prompts(suite, categories=["poetry"])
+
+
+def test_selection_is_round_robin_and_shortest_first():
+    suite = bench.read_suite()
+    chosen = bench.select_prompts(suite, categories=["qa", "writing"], limit=5, shortest=True)
+    assert [p.category for p in chosen] == ["qa", "writing", "qa", "writing", "qa"]
+    qa = [p for p in chosen if p.category == "qa"]
+    assert [len(p.text) for p in qa] == sorted(len(p.text) for p in qa)
+    assert len(qa[0].text) == min(len(p.text) for p in suite if p.category == "qa")
+    mt = bench.select_prompts(suite, categories=["mt-bench"])
+    assert {p.category for p in mt} == set(bench.MT_BENCH) and len(mt) == 80
+
+
+def test_schedule_interleaves_every_mode_per_prompt_and_rotates():
+    prompts = [bench.Prompt(f"p/{i}", "qa", "x", "tune") for i in range(4)]
+    modes = [bench.TARGET, Mode("specmlx", 2), Mode("mlx-lm", 2)]
+    order = bench.schedule(prompts, [0.0, 1.0], modes)
+    assert len(order) == 4 * 2 * 3
+    blocks = [order[i : i + 3] for i in range(0, len(order), 3)]
+    for b, block in enumerate(blocks):
+        assert len({(p.id, t) for p, t, _ in block}) == 1  # one prompt and T per block
+        names = [m.name for _, _, m in block]
+        assert sorted(names) == sorted(m.name for m in modes)
+        assert names[0] == modes[b % 3].name  # rotated: no mode always goes first
+    assert [(p.id, t) for p, t, _ in order[::3]] == [
+        (f"p/{i}", t) for i in range(4) for t in (0.0, 1.0)
+    ]
+
+
+def test_speedup_is_the_median_of_pairwise_ratios():
+    # target 10, 20, 40 tok/s; the mode 15, 20, 20 tok/s: ratios 1.5, 1.0, 0.5
+    records = [
+        record("a", "target", 10, 1.0),
+        record("b", "target", 20, 1.0),
+        record("c", "target", 40, 1.0),
+        record("a", "specmlx:4", 15, 1.0, drafted=40, accepted=10, target_passes=5),
+        record("b", "specmlx:4", 20, 1.0, drafted=40, accepted=20, target_passes=5),
+        record("c", "specmlx:4", 40, 2.0, drafted=40, accepted=30, target_passes=10),
+    ]
+    ratios = bench.pairwise_ratios(records)
+    assert ratios[("specmlx:4", 0.0, "a")] == pytest.approx(1.5)
+    assert ratios[("specmlx:4", 0.0, "c")] == pytest.approx(0.5)
+    row = next(r for r in bench.summarize(records) if r["mode"] == "specmlx:4")
+    assert row["speedup_median"] == pytest.approx(1.0)
+    assert (row["speedup_min"], row["speedup_max"]) == (pytest.approx(0.5), pytest.approx(1.5))
+    # Spec-Bench's ratio of totals: (75 tok / 4 s) / (70 tok / 3 s)
+    assert row["speedup_total"] == pytest.approx((75 / 4) / (70 / 3))
+    assert row["alpha"] == pytest.approx(60 / 120)
+    assert row["tau"] == pytest.approx(75 / 20)
+    assert row["decode_tps_median"] == pytest.approx(20.0)
+
+
+def test_mlx_lm_rounds_rebuilt_from_draft_flags():
+    # γ=3, max 8: round 1 accepts 3 (+ bonus), round 2 accepts 1 then the target's token,
+    # round 3 drafts only min(3, 8 - 6) = 2 and is cut at max_tokens after both.
+    flags = [True, True, True, False, True, False, True, True]
+    got = bench.mlx_lm_rounds(flags, gamma=3, max_tokens=8)
+    assert got["target_passes"] == 3
+    assert got["drafted"] == 3 + 3 + 2
+    assert got["accepted"] == 3 + 1 + 2
+    assert got["drafted_by_position"] == [3, 3, 2]
+    assert got["accepted_by_position"] == [3, 2, 1]
+    assert bench.mlx_lm_rounds([False] * 5, gamma=0, max_tokens=5)["target_passes"] == 5
+
+
+def test_gamma_and_temperature_parsing():
+    assert bench.parse_gammas("1, 2,4,2", auto_available=False) == [1, 2, 4]
+    assert bench.parse_gammas("auto,4", auto_available=True) == ["auto", 4]
+    with pytest.raises(SpecmlxError, match="auto"):
+        bench.parse_gammas("auto", auto_available=False)
+    with pytest.raises(SpecmlxError, match=">= 1"):
+        bench.parse_gammas("0,2", auto_available=False)
+    assert bench.parse_temperatures("0,0.7,1") == [0.0, 0.7, 1.0]
+    with pytest.raises(SpecmlxError):
+        bench.parse_temperatures("hot")
+    modes = bench.build_modes(["auto", 2], mlx_lm=True, mlx_lm_target=True)
+    assert [m.name for m in modes] == [
+        "target",
+        "specmlx:auto",
+        "specmlx:2",
+        "mlx-lm:0",
+        "mlx-lm:2",
+    ]
+
+
+@pytest.fixture(scope="module")
+def bench_run(model_dirs, tmp_path_factory):
+    """One small bench through the CLI on the tiny models: JSON and PNG written."""
+    out = tmp_path_factory.mktemp("bench")
+    json_path, png_path = out / "run.json", out / "run.png"
+    argv = ["bench", "--model", str(model_dirs["target"]), "--draft", str(model_dirs["perturbed"])]
+    argv += ["--categories", "qa,humaneval", "--prompts", "2", "--shortest", "-g", "1,3"]
+    argv += ["-t", "0,1", "-n", "12", "--json", str(json_path), "--plot", str(png_path)]
+    main(argv)
+    return json.loads(json_path.read_text()), png_path
+
+
+def test_bench_end_to_end_json(bench_run, capsys):
+    result, png = bench_run
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    assert result["schema"] == bench.SCHEMA and "partial" not in result
+    for key in ("machine", "models", "settings", "cold_start", "prompts", "runs", "summary"):
+        assert key in result
+    machine = result["machine"]
+    assert machine["backend"] == "cpu" and machine["mlx"] and machine["mlx_lm"] and machine["cpu"]
+    assert set(machine["blas"]) == {"active", "mapped"}
+    assert result["models"]["target"]["dtype"] == "float32"
+    modes = ["target", "specmlx:1", "specmlx:3", "mlx-lm:1", "mlx-lm:3"]
+    assert result["settings"]["modes"] == modes
+    runs = result["runs"]
+    assert len(runs) == 2 * 2 * len(modes)
+    assert [r["order"] for r in runs] == list(range(len(runs)))
+    for r in runs:
+        assert r["tokens"] == len(r["token_ids"]) <= 12
+        assert r["decode_s"] > 0 and r["prefill_s"] > 0 and r["ttft_s"] > 0
+        assert r["peak_memory_bytes"] > 0 and r["rss_bytes"] > 0
+        if r["gamma"]:
+            assert r["drafted"] > 0 and 0 <= r["alpha"] <= 1 and r["tau"] >= 1
+    # specmlx is lossless: greedy speculative tokens equal the target alone's, always
+    greedy = [r for r in runs if r["temperature"] == 0 and r["engine"] == "specmlx"]
+    assert all(r["matches_target"] for r in greedy if r["mode"] != "target")
+    rows = result["summary"]
+    for mode in modes:
+        for temp in (0.0, 1.0):
+            for category in ("qa", "humaneval", "all"):
+                assert any(
+                    r["mode"] == mode and r["temperature"] == temp and r["category"] == category
+                    for r in rows
+                )
+    assert "--gamma 1,3" in result["command"] and "--prompts 2" in result["command"]
+
+
+def test_greedy_check_catches_a_planted_divergence(bench_run):
+    result, _ = bench_run
+    fields = bench.RunRecord.__dataclass_fields__
+    records = [RunRecord(**{k: v for k, v in r.items() if k in fields}) for r in result["runs"]]
+    planted = next(r for r in records if r.mode == "specmlx:3" and r.temperature == 0)
+    planted.token_ids = copy.copy(planted.token_ids)
+    assert len(planted.token_ids) > 5
+    planted.token_ids[5] = (planted.token_ids[5] + 1) % 100
+    bench.compare_to_target(records)
+    assert planted.matches_target is False and planted.diverges_at == 5
+    others = [r for r in records if r.engine == "specmlx" and r.temperature == 0 and r.gamma]
+    assert sum(r.matches_target is False for r in others) == 1
+    row = next(
+        r
+        for r in bench.summarize(records)
+        if r["mode"] == "specmlx:3" and r["temperature"] == 0 and r["category"] == "all"
+    )
+    assert row["greedy_divergent"] == 1 and row["greedy_checked"] == 2
+
+
+def test_plot_without_matplotlib_is_a_clear_error(bench_run, monkeypatch, tmp_path, capsys):
+    result, _ = bench_run
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    with pytest.raises(SpecmlxError, match=r"specmlx\[bench\]"):
+        bench.plot(result, tmp_path / "x.png")
+    with pytest.raises(SystemExit) as exit_info:  # refused before any model is loaded
+        main(["bench", "--quick", "--plot", str(tmp_path / "x.png")])
+    assert exit_info.value.code == 2
+    assert "error: --plot needs matplotlib" in capsys.readouterr().err
