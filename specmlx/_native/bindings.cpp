@@ -1,0 +1,37 @@
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include "mlx/version.h"
+#include "qmm.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+#define SPECMLX_STR2(x) #x
+#define SPECMLX_STR(x) SPECMLX_STR2(x)
+
+NB_MODULE(_ext, m) {
+  // mx.array's nanobind type lives in mlx.core (same NB_DOMAIN), so it must be loaded first.
+  nb::module_::import_("mlx.core");
+  m.doc() = "specmlx native INT4 CPU kernels (built against one exact mlx release)";
+  m.attr("built_for_mlx") = SPECMLX_STR(MLX_VERSION_MAJOR) "." SPECMLX_STR(
+      MLX_VERSION_MINOR) "." SPECMLX_STR(MLX_VERSION_PATCH);
+
+  m.def(
+      "quantized_matmul",
+      [](const specmlx::mx::array& x,
+         const specmlx::mx::array& w,
+         const specmlx::mx::array& scales,
+         const specmlx::mx::array& biases,
+         int group_size) { return specmlx::quantized_matmul(x, w, scales, biases, group_size); },
+      "x"_a,
+      "w"_a,
+      "scales"_a,
+      "biases"_a,
+      "group_size"_a = 64,
+      "x @ dequantize(w, scales, biases).T for 4-bit affine weights on the default CPU stream.");
+  m.def("threads", &specmlx::threads, "Size of the kernel's thread pool.");
+  m.def("set_threads", &specmlx::set_threads, "n"_a, "Resize the kernel's thread pool.");
+  m.def("isa", &specmlx::isa, "The instruction set the kernel runs with.");
+  m.def("set_isa", &specmlx::set_isa, "name"_a, "Force 'avx512', 'avx2' or 'scalar' (tests).");
+}

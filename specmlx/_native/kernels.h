@@ -1,0 +1,35 @@
+// INT4 x fp32 matrix-vector/matrix kernels: y = x @ dequant(W)^T for MLX's affine 4-bit layout.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace specmlx {
+
+enum class ScaleType { f32, bf16, f16 };
+enum class Isa { scalar, avx2, avx512 };
+
+// One matmul's operands. x has already been converted to fp32 and packed into the ISA's
+// lane order (see pack_index in qmm.cpp); y is fp32, M x N row-major.
+struct QmmJob {
+  const float* x;      // M x K
+  const uint32_t* w;   // N x K/8: code k of a row is bits 4*(k%8).. of word k/8
+  const void* scales;  // N x K/group_size
+  const void* biases;  // N x K/group_size, same type as scales
+  ScaleType stype;
+  float* y;  // M x N
+  int M, N, K, group_size;
+};
+
+// The best ISA this CPU (and OS) supports.
+Isa detect_isa();
+const char* isa_name(Isa isa);
+
+// Floats per vector register: packed x is laid out in groups of this many lanes
+// (1 means plain row-major order).
+int isa_lanes(Isa isa);
+
+// Output rows [n0, n1) for all M rows of x. Safe to call concurrently on disjoint ranges.
+void qmm_rows(Isa isa, const QmmJob& job, int n0, int n1);
+
+} // namespace specmlx

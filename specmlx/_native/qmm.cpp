@@ -1,0 +1,238 @@
+#include "qmm.h"
+
+#include <algorithm>
+#include <atomic>
+#include <memory>
+#include <stdexcept>
+
+#include "kernels.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "thread_pool.h"
+
+namespace specmlx {
+namespace {
+
+// Waking a parked worker costs ~20 us, so a matmul is split across threads only when each
+// thread gets at least this much work (weights touched x (rows of x + 2), roughly the
+// instruction count of the inner loop).
+constexpr size_t kMinWorkPerThread = size_t(3) << 21;
+
+std::atomic<Isa> g_isa{detect_isa()};
+
+bool is_float(mx::Dtype t) {
+  return t == mx::float32 || t == mx::bfloat16 || t == mx::float16;
+}
+
+ScaleType scale_type(mx::Dtype t) {
+  return t == mx::float32 ? ScaleType::f32 : t == mx::bfloat16 ? ScaleType::bf16 : ScaleType::f16;
+}
+
+// Where x[k] (k within a group) lands in the packed, lane-ordered copy of x; the inverse of
+// the code order the vector kernels produce (see Layout in kernels.cpp).
+inline int pack_index(int k, int group_words, int lanes) {
+  const int B = std::min(group_words, lanes), C = lanes / B, NV = 8 / C;
+  const int word = k / 8, nibble = k % 8;
+  const int block = word / B, w = word % B, v = nibble / C, c = nibble % C;
+  return (block * NV + v) * lanes + c * B + w;
+}
+
+template <typename T>
+void pack_x(const T* src, float* dst, int M, int K, int group_size, int lanes) {
+  if (lanes == 1) {
+    std::transform(src, src + size_t(M) * K, dst, [](T v) { return static_cast<float>(v); });
+    return;
+  }
+  const int gw = group_size / 8;
+  int perm[128];
+  for (int k = 0; k < group_size; ++k) {
+    perm[k] = pack_index(k, gw, lanes);
+  }
+  for (size_t base = 0; base < size_t(M) * K; base += group_size) {
+    for (int k = 0; k < group_size; ++k) {
+      dst[base + perm[k]] = static_cast<float>(src[base + k]);
+    }
+  }
+}
+
+void pack_any(const void* src, mx::Dtype t, float* dst, int M, int K, int gs, int lanes) {
+  if (t == mx::float32) {
+    pack_x(static_cast<const float*>(src), dst, M, K, gs, lanes);
+  } else if (t == mx::bfloat16) {
+    pack_x(static_cast<const mx::bfloat16_t*>(src), dst, M, K, gs, lanes);
+  } else {
+    pack_x(static_cast<const mx::float16_t*>(src), dst, M, K, gs, lanes);
+  }
+}
+
+template <typename T>
+void store_as(const float* y, void* out, size_t n) {
+  std::transform(y, y + n, static_cast<T*>(out), [](float v) { return static_cast<T>(v); });
+}
+
+// Scratch that lives on MLX's CPU stream thread and only grows: prefill-sized x copies
+// would otherwise page-fault fresh memory on every call.
+float* scratch(std::unique_ptr<float[]>& buf, size_t& cap, size_t n) {
+  if (n > cap) {
+    buf.reset(new float[n]);
+    cap = n;
+  }
+  return buf.get();
+}
+
+struct Call {
+  const void* x;
+  mx::Dtype x_type;
+  const uint32_t* w;
+  const void* scales;
+  const void* biases;
+  ScaleType stype;
+  void* out;
+  mx::Dtype out_type;
+  int M, N, K, group_size;
+};
+
+void run(const Call& c) {
+  thread_local std::unique_ptr<float[]> x_buf, y_buf;
+  thread_local size_t x_cap = 0, y_cap = 0;
+  const Isa isa = g_isa.load(std::memory_order_relaxed);
+  const size_t x_elems = size_t(c.M) * c.K, y_elems = size_t(c.M) * c.N;
+
+  float* xp = scratch(x_buf, x_cap, x_elems);
+  pack_any(c.x, c.x_type, xp, c.M, c.K, c.group_size, isa_lanes(isa));
+  float* y = c.out_type == mx::float32 ? static_cast<float*>(c.out) : scratch(y_buf, y_cap, y_elems);
+
+  const QmmJob job{xp, c.w, c.scales, c.biases, c.stype, y, c.M, c.N, c.K, c.group_size};
+  auto& pool = ThreadPool::instance();
+  const int pairs = (c.N + 1) / 2;
+  const size_t work = size_t(c.N) * c.K * size_t(c.M + 2);
+  const int n_threads = int(std::clamp<size_t>(work / kMinWorkPerThread, 1, std::min(pool.size(), pairs)));
+  pool.run(n_threads, [&](int t) {
+    const int p0 = int(int64_t(pairs) * t / n_threads), p1 = int(int64_t(pairs) * (t + 1) / n_threads);
+    qmm_rows(isa, job, 2 * p0, std::min(c.N, 2 * p1));
+  });
+
+  if (c.out_type == mx::bfloat16) {
+    store_as<mx::bfloat16_t>(y, c.out, y_elems);
+  } else if (c.out_type == mx::float16) {
+    store_as<mx::float16_t>(y, c.out, y_elems);
+  }
+}
+
+} // namespace
+
+void QuantizedMatmul4::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const auto& x = inputs[0];
+  const auto& w = inputs[1];
+  const auto& scales = inputs[2];
+  const auto& biases = inputs[3];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  if (out.size() == 0) {
+    return;
+  }
+  const int K = x.shape(-1);
+  const Call call{
+      x.data<void>(),
+      x.dtype(),
+      w.data<uint32_t>(),
+      scales.data<void>(),
+      biases.data<void>(),
+      scale_type(scales.dtype()),
+      out.data<void>(),
+      out.dtype(),
+      int(x.size() / K),
+      w.shape(0),
+      K,
+      group_size_};
+  // The op made every input row-contiguous, so raw pointers describe them fully. MLX keeps
+  // input and output buffers alive until the stream has run this task.
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(x);
+  encoder.set_input_array(w);
+  encoder.set_input_array(scales);
+  encoder.set_input_array(biases);
+  encoder.set_output_array(out);
+  encoder.dispatch([call] { run(call); });
+}
+
+void QuantizedMatmul4::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("[specmlx] the native INT4 matmul has no GPU kernel");
+}
+
+bool QuantizedMatmul4::is_equivalent(const mx::Primitive& other) const {
+  return group_size_ == static_cast<const QuantizedMatmul4&>(other).group_size_;
+}
+
+std::vector<mx::Shape> QuantizedMatmul4::output_shapes(const std::vector<mx::array>& inputs) {
+  auto shape = inputs[0].shape();
+  shape.back() = inputs[1].shape(0);
+  return {shape};
+}
+
+mx::array quantized_matmul(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    mx::StreamOrDevice s) {
+  const auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu) {
+    throw std::invalid_argument("[specmlx] quantized_matmul runs on CPU streams only");
+  }
+  if (group_size != 32 && group_size != 64 && group_size != 128) {
+    throw std::invalid_argument("[specmlx] group_size must be 32, 64 or 128");
+  }
+  if (w.dtype() != mx::uint32 || w.ndim() != 2) {
+    throw std::invalid_argument("[specmlx] w must be a 2-D uint32 array of packed 4-bit codes");
+  }
+  const int N = w.shape(0), K = w.shape(1) * 8;
+  if (x.ndim() < 1 || x.shape(-1) != K || !is_float(x.dtype())) {
+    throw std::invalid_argument(
+        "[specmlx] x must be float32/bfloat16/float16 with last dimension " + std::to_string(K));
+  }
+  const mx::Shape sshape{N, K / group_size};
+  if (scales.shape() != sshape || biases.shape() != sshape || !is_float(scales.dtype()) ||
+      biases.dtype() != scales.dtype()) {
+    throw std::invalid_argument(
+        "[specmlx] scales and biases must both be (N, K/group_size) arrays of one float type");
+  }
+  auto out_shape = x.shape();
+  out_shape.back() = N;
+  return mx::array(
+      std::move(out_shape),
+      mx::promote_types(x.dtype(), scales.dtype()),
+      std::make_shared<QuantizedMatmul4>(stream, group_size),
+      {mx::contiguous(x, false, stream),
+       mx::contiguous(w, false, stream),
+       mx::contiguous(scales, false, stream),
+       mx::contiguous(biases, false, stream)});
+}
+
+int threads() {
+  return ThreadPool::instance().size();
+}
+
+void set_threads(int n) {
+  ThreadPool::instance().resize(n);
+}
+
+const char* isa() {
+  return isa_name(g_isa.load());
+}
+
+void set_isa(const std::string& name) {
+  const Isa best = detect_isa();
+  for (Isa i : {Isa::scalar, Isa::avx2, Isa::avx512}) {
+    if (name == isa_name(i)) {
+      if (i > best) {
+        throw std::invalid_argument(
+            "[specmlx] this CPU does not support " + name + " (best: " + isa_name(best) + ")");
+      }
+      g_isa.store(i);
+      return;
+    }
+  }
+  throw std::invalid_argument("[specmlx] unknown ISA " + name + "; use avx512, avx2 or scalar");
+}
+
+} // namespace specmlx

@@ -1,0 +1,46 @@
+// The MLX op and primitive: y = x @ dequantize(w, scales, biases)^T for 4-bit affine weights.
+#pragma once
+
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+
+namespace specmlx {
+
+namespace mx = mlx::core;
+
+// x: (..., K) float32/bfloat16/float16; w: (N, K/8) uint32; scales, biases: (N, K/group_size)
+// float32/bfloat16/float16. Returns (..., N) in promote_types(x, scales), like
+// mx.quantized_matmul(..., transpose=True, bits=4). CPU streams only.
+mx::array quantized_matmul(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    mx::StreamOrDevice s = {});
+
+class QuantizedMatmul4 : public mx::UnaryPrimitive {
+ public:
+  QuantizedMatmul4(mx::Stream stream, int group_size)
+      : mx::UnaryPrimitive(stream), group_size_(group_size) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+
+  const char* name() const override {
+    return "SpecmlxQuantizedMatmul4";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  int group_size_;
+};
+
+// Settings visible from Python (for tests and benchmarks).
+int threads();
+void set_threads(int n);
+const char* isa();
+void set_isa(const std::string& name);  // "avx512" | "avx2" | "scalar"; must be supported
+
+} // namespace specmlx

@@ -1,0 +1,103 @@
+#include "thread_pool.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+
+namespace specmlx {
+
+int default_thread_count() {
+  if (const char* env = std::getenv("SPECMLX_THREADS"); env && *env) {
+    try {
+      return std::max(1, std::stoi(env));
+    } catch (const std::exception&) {
+      // fall through to the CPU count: a bad setting must not break inference
+    }
+  }
+  // Respect taskset / cgroup CPU masks, not just the machine's core count.
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    return std::max(1, CPU_COUNT(&set));
+  }
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+ThreadPool& ThreadPool::instance() {
+  static ThreadPool pool(default_thread_count());
+  return pool;
+}
+
+ThreadPool::ThreadPool(int n) {
+  start(n);
+}
+
+ThreadPool::~ThreadPool() {
+  stop();
+}
+
+void ThreadPool::start(int n) {
+  size_ = std::max(1, n);
+  stopping_ = false;
+  for (int i = 1; i < size_; ++i) {
+    workers_.emplace_back([this, i] { worker(i); });
+  }
+}
+
+void ThreadPool::stop() {
+  stopping_ = true;
+  generation_.fetch_add(1, std::memory_order_release);
+  generation_.notify_all();
+  for (auto& t : workers_) {
+    t.join();
+  }
+  workers_.clear();
+}
+
+void ThreadPool::resize(int n) {
+  std::lock_guard<std::mutex> lock(run_mutex_);
+  if (std::max(1, n) == size_) {
+    return;
+  }
+  stop();
+  start(n);
+}
+
+void ThreadPool::worker(int index) {
+  uint64_t seen = generation_.load(std::memory_order_acquire);
+  while (true) {
+    generation_.wait(seen, std::memory_order_acquire);
+    seen = generation_.load(std::memory_order_acquire);
+    if (stopping_) {
+      return;
+    }
+    if (index < n_tasks_) {
+      (*job_)(index);
+    }
+    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      pending_.notify_one();
+    }
+  }
+}
+
+void ThreadPool::run(int n_tasks, const std::function<void(int)>& fn) {
+  n_tasks = std::min(n_tasks, size_);
+  if (n_tasks <= 1) {
+    fn(0);
+    return;
+  }
+  std::lock_guard<std::mutex> lock(run_mutex_);
+  job_ = &fn;
+  n_tasks_ = n_tasks;
+  // Every worker checks in, busy or not, so a later run never races a late sleeper.
+  pending_.store(size_ - 1, std::memory_order_relaxed);
+  generation_.fetch_add(1, std::memory_order_release);
+  generation_.notify_all();
+  fn(0);
+  for (int left; (left = pending_.load(std::memory_order_acquire)) != 0;) {
+    pending_.wait(left, std::memory_order_acquire);
+  }
+}
+
+} // namespace specmlx

@@ -1,0 +1,218 @@
+"""The native INT4 CPU matmul: availability, the op, and patching a model to use it.
+
+MLX's CPU `quantized_matmul` is a scalar single-threaded loop on x86 Linux. specmlx ships
+a C++ MLX primitive (specmlx/_native, see its README) that computes the same
+x @ dequantize(w)^T for 4-bit affine weights with AVX-512/AVX2 and a thread pool. It is
+optional: when it is not built, was built for another mlx release, or the call is not one
+it handles (other bits or modes, a GPU stream), everything falls back to
+`mx.quantized_matmul`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import mlx.core as mx
+import mlx.nn as nn
+
+NATIVE_DIR = Path(__file__).parent / "_native"
+BUILD_INFO = "_ext_build.json"
+GROUP_SIZES = (32, 64, 128)
+FLOAT_TYPES = (mx.float32, mx.bfloat16, mx.float16)
+
+
+def _load(native_dir: Path = NATIVE_DIR, mlx_version: str = mx.__version__):
+    """(the extension module, '') or (None, why it cannot be used)."""
+    if os.environ.get("SPECMLX_NATIVE", "1") == "0":
+        return None, "disabled by SPECMLX_NATIVE=0"
+    machine = platform.machine().lower()
+    if sys.platform != "linux" or machine not in ("x86_64", "amd64"):
+        return None, f"built only for Linux x86_64, not {sys.platform} {machine}"
+    info_file = native_dir / BUILD_INFO
+    if not info_file.exists():
+        return None, (
+            "not built; reinstall with `pip install -e .` on a machine with a C++ compiler "
+            "(see specmlx/_native/README.md)"
+        )
+    try:
+        built_for = json.loads(info_file.read_text())["mlx"]
+    except (ValueError, KeyError) as e:
+        return None, f"unreadable build info {info_file} ({e})"
+    if built_for != mlx_version:
+        # Loading it anyway could fail on missing symbols or, worse, run with a stale ABI.
+        return None, (
+            f"built for mlx {built_for} but mlx {mlx_version} is installed; "
+            "rebuild with `pip install -e .`"
+        )
+    try:
+        from ._native import _ext
+    except ImportError as e:  # missing .so, undefined symbols, nanobind mismatch
+        return None, f"failed to import ({e})"
+    return _ext, ""
+
+
+def _platform_expects_native() -> bool:
+    return sys.platform == "linux" and platform.machine().lower() in ("x86_64", "amd64")
+
+
+_ext: ModuleType | None
+_ext, _reason = _load()
+if _ext is None and _platform_expects_native() and os.environ.get("SPECMLX_NATIVE") != "0":
+    warnings.warn(
+        f"specmlx: native INT4 CPU kernel unavailable: {_reason}. "
+        "Using mx.quantized_matmul (much slower on x86).",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
+def available() -> bool:
+    """Whether the native kernel is built and loadable with the installed mlx."""
+    return _ext is not None
+
+
+def reason() -> str:
+    """Why the native kernel is not available ('' when it is)."""
+    return _reason
+
+
+def threads() -> int:
+    """Threads the kernel may use (SPECMLX_THREADS, default: the CPUs this process may use)."""
+    return _ext.threads() if _ext is not None else 0
+
+
+def set_threads(n: int) -> None:
+    if _ext is None:
+        raise RuntimeError(f"native kernel unavailable: {_reason}")
+    _ext.set_threads(n)
+
+
+def describe() -> str:
+    """One line for stats and benchmarks: which INT4 matmul runs, and how."""
+    if _ext is None:
+        return f"mx.quantized_matmul (native kernel unavailable: {_reason})"
+    return f"specmlx native INT4 ({_ext.isa()}, {_ext.threads()} threads)"
+
+
+def supports(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array | None,
+    group_size: int,
+    bits: int,
+    mode: str = "affine",
+    transpose: bool = True,
+) -> bool:
+    """Whether this call can run on the native kernel."""
+    return (
+        _ext is not None
+        and bits == 4
+        and mode == "affine"
+        and transpose
+        and group_size in GROUP_SIZES
+        and biases is not None
+        and mx.default_device() == mx.cpu
+        and w.dtype == mx.uint32
+        and w.ndim == 2
+        and x.ndim >= 1
+        and x.shape[-1] == w.shape[1] * 8
+        and x.dtype in FLOAT_TYPES
+        and scales.dtype in FLOAT_TYPES
+        and biases.dtype == scales.dtype
+    )
+
+
+def quantized_matmul(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array | None = None,
+    group_size: int = 64,
+    bits: int = 4,
+    mode: str = "affine",
+) -> mx.array:
+    """x @ dequantize(w, scales, biases).T: the native kernel where it applies, else MLX's."""
+    if supports(x, w, scales, biases, group_size, bits, mode):
+        return _ext.quantized_matmul(x, w, scales, biases, group_size)
+    return mx.quantized_matmul(
+        x,
+        w,
+        scales=scales,
+        biases=biases,
+        transpose=True,
+        group_size=group_size,
+        bits=bits,
+        mode=mode,
+    )
+
+
+class NativeQuantizedLinear(nn.QuantizedLinear):
+    """A QuantizedLinear whose matmul goes through `quantized_matmul` above."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = quantized_matmul(
+            x,
+            self["weight"],
+            self["scales"],
+            self.get("biases"),
+            self.group_size,
+            self.bits,
+            self.mode,
+        )
+        if "bias" in self:
+            y = y + self["bias"]
+        return y
+
+
+class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
+    """A QuantizedEmbedding whose as_linear (tied output heads) uses `quantized_matmul`."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return quantized_matmul(
+            x,
+            self["weight"],
+            self["scales"],
+            self.get("biases"),
+            self.group_size,
+            self.bits,
+            self.mode,
+        )
+
+
+def _qualifies(layer: nn.Module) -> bool:
+    return (
+        layer.bits == 4
+        and getattr(layer, "mode", "affine") == "affine"
+        and layer.group_size in GROUP_SIZES
+        and layer.get("biases") is not None
+    )
+
+
+def patch_model(module: nn.Module) -> int:
+    """Route the model's 4-bit affine QuantizedLinear / QuantizedEmbedding.as_linear layers
+    through the native kernel; returns how many layers were patched (0 when unavailable).
+
+    Layers keep their parameters and class ancestry (only __class__ changes to a subclass),
+    and every call still checks it runs on a CPU stream, so a patched model stays usable
+    anywhere. Other layers are left alone.
+    """
+    if _ext is None or mx.default_device() != mx.cpu:
+        return 0
+    swaps = {
+        nn.QuantizedLinear: NativeQuantizedLinear,
+        nn.QuantizedEmbedding: NativeQuantizedEmbedding,
+    }
+    patched = 0
+    for layer in module.modules():
+        native_class = swaps.get(type(layer))
+        if native_class is not None and _qualifies(layer):
+            layer.__class__ = native_class
+            patched += 1
+    return patched
