@@ -140,10 +140,10 @@ def bench(
         None,
         "--gamma",
         "-g",
-        help="Comma-separated γ values to compare [default: 1,2,4,6, plus auto when available].",
+        help="Comma-separated γ values (default 1,2,4,6, plus auto when the engine has it).",
     ),
     temperature: str = typer.Option(
-        None, "--temperature", "-t", help="Comma-separated temperatures [default: 0,0.7,1.0]."
+        None, "--temperature", "-t", help="Comma-separated temperatures (default 0,0.7,1.0)."
     ),
     categories: str = typer.Option(
         None, "--categories", "-c", help="Comma-separated categories; 'mt-bench' = its eight."
@@ -156,7 +156,7 @@ def bench(
     ),
     shortest: bool = typer.Option(False, "--shortest", help="Shortest prompts of each category."),
     max_tokens: int = typer.Option(
-        None, "--max-tokens", "-n", help="Tokens per run [default: 128]."
+        None, "--max-tokens", "-n", help="Tokens per run (default 128)."
     ),
     quick: bool = typer.Option(
         False, "--quick", help="4 shortest prompts × 48 tokens, γ 4 (+auto), greedy."
@@ -173,7 +173,7 @@ def bench(
     json_path: Path = typer.Option(None, "--json", help="Write every raw figure to this file."),
     plot_path: Path = typer.Option(None, "--plot", help="Write a PNG plot (needs matplotlib)."),
     suite_dir: Path = typer.Option(
-        None, "--suite-dir", help="Prompt suite folder [default: the checkout's bench/prompts]."
+        None, "--suite-dir", help="Prompt suite folder (default: the checkout's bench/prompts)."
     ),
 ) -> None:
     """Benchmark target alone vs speculative decoding (specmlx and mlx-lm), interleaved."""
