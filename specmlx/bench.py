@@ -24,7 +24,7 @@ import platform
 import statistics
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -716,6 +716,15 @@ def describe_model(model: Model) -> dict:
         "dtype": model.dtype,
         "quantization": model.quantization,
         "description": model.describe(),
+        # Which layer classes actually run (e.g. mlx's QuantizedLinear or a native kernel).
+        "layer_types": dict(
+            Counter(
+                type(m).__name__
+                for m in model.module.modules()
+                if "Linear" in type(m).__name__ or "Embedding" in type(m).__name__
+            )
+        ),
+        "load_info": model.info,
     }
 
 
