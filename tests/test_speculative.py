@@ -1,0 +1,189 @@
+"""The speculative engine: greedy exactness, cache rollback, stops, seeds, pair checks."""
+
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+import specmlx
+from specmlx.drafters import prefill
+from specmlx.errors import SpecmlxError
+
+PROMPT = "def fibonacci(n):"
+
+
+@pytest.fixture
+def no_eos(models, monkeypatch):
+    """Random tiny models may say EOS early; long-output tests switch it off."""
+    for m in models.values():
+        monkeypatch.setattr(m.tokenizer, "eos_token_ids", set())
+    return models
+
+
+def tokens(target, draft=None, **kw):
+    return specmlx.generate(target, PROMPT, draft=draft, **kw).run().tokens
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("gamma", [1, 2, 4, 7])
+def test_greedy_speculative_equals_greedy_target(no_eos, arch, gamma):
+    target, draft = (
+        (no_eos["target"], no_eos["perturbed"])
+        if arch == "qwen2"
+        else (no_eos["llama"], no_eos["llama_draft"])
+    )
+    baseline = tokens(target, max_tokens=120)
+    assert len(baseline) == 120
+    assert tokens(target, draft, num_draft=gamma, max_tokens=120) == baseline
+
+
+@pytest.mark.parametrize("arch", ["target", "llama"])
+def test_greedy_baseline_equals_mlx_lm_generate_step(no_eos, arch):
+    model = no_eos[arch]
+    ids = model.tokenizer.encode(PROMPT)
+    reference = [t for t, _ in generate_step(mx.array(ids), model.module, max_tokens=100)]
+    assert tokens(model, max_tokens=100) == reference
+
+
+def test_greedy_with_an_unrelated_draft_is_still_exact(no_eos):
+    baseline = tokens(no_eos["target"], max_tokens=100)
+    assert tokens(no_eos["target"], no_eos["unrelated"], num_draft=4, max_tokens=100) == baseline
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+def test_draft_equal_to_target_accepts_everything(no_eos, temperature):
+    target = no_eos["target"]
+    gen = specmlx.generate(
+        target, PROMPT, draft=target, num_draft=4, max_tokens=60, temperature=temperature
+    ).run()
+    assert gen.stats.acceptance >= 0.99  # 1.0 up to float error between 1- and 5-token passes
+    assert gen.stats.tokens_per_pass > 4.5
+
+
+def test_caches_after_rejections_equal_a_fresh_prefill(no_eos):
+    target, draft = no_eos["target"], no_eos["unrelated"]
+    session = specmlx.Session(target, draft)
+    gen = specmlx.generate(target, PROMPT, draft=draft, num_draft=4, max_tokens=40, session=session)
+    gen.run()
+    assert gen.stats.accepted < gen.stats.drafted  # rounds with rejections happened
+    for model, cache, held in [
+        (target, session.cache, session.cached),
+        (draft, session.drafter.cache, session.drafter.cached),
+    ]:
+        fresh = make_prompt_cache(model.module)
+        prefill(model, fresh, held)
+        for c, f in zip(cache, fresh, strict=True):
+            assert c.offset == f.offset == len(held)
+            for a, b in zip(c.state, f.state, strict=True):
+                np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5)
+
+
+def test_continuing_after_rollback_gives_the_logits_of_a_fresh_run(no_eos):
+    target, draft = no_eos["target"], no_eos["unrelated"]
+    session = specmlx.Session(target, draft)
+    specmlx.generate(target, PROMPT, draft=draft, max_tokens=30, session=session).run()
+    probe = mx.array([[session.cached[-1]]], mx.uint32)
+    continued = target.module(probe, cache=session.cache)[0, -1]
+    # the probe repeats the last cached token: compare with a fresh run over the same ids
+    ids = session.cached + [session.cached[-1]]
+    fresh = target.module(mx.array([ids], mx.uint32))[0, -1]
+    np.testing.assert_allclose(np.array(continued), np.array(fresh), rtol=1e-4, atol=1e-4)
+
+
+def test_eos_inside_an_accepted_block_ends_generation_there(models, monkeypatch):
+    target = models["target"]
+    monkeypatch.setattr(target.tokenizer, "eos_token_ids", set())
+    baseline = tokens(target, max_tokens=30)
+    stop = baseline[6]
+    first = baseline.index(stop)
+    monkeypatch.setattr(target.tokenizer, "eos_token_ids", {stop})
+    gen = specmlx.generate(target, PROMPT, draft=target, num_draft=4, max_tokens=30).run()
+    assert gen.tokens == baseline[:first]
+    assert gen.stats.finish_reason == "eos"
+
+
+@pytest.mark.parametrize("max_tokens", [1, 3, 7, 11])
+def test_max_tokens_is_exact_even_mid_block(no_eos, max_tokens):
+    target = no_eos["target"]
+    baseline = tokens(target, max_tokens=20)
+    gen = specmlx.generate(target, PROMPT, draft=target, num_draft=4, max_tokens=max_tokens).run()
+    assert gen.tokens == baseline[:max_tokens]
+    assert gen.stats.finish_reason == "length"
+
+
+def test_same_seed_same_sample_other_seed_other_sample(no_eos):
+    target, draft = no_eos["target"], no_eos["perturbed"]
+    kw = dict(draft=draft, max_tokens=40, temperature=1.0)
+    assert tokens(target, seed=5, **kw) == tokens(target, seed=5, **kw)
+    assert tokens(target, seed=5, **kw) != tokens(target, seed=6, **kw)
+
+
+def test_text_is_the_decoded_tokens(no_eos):
+    target = no_eos["target"]
+    gen = specmlx.generate(target, PROMPT, draft=no_eos["perturbed"], max_tokens=50).run()
+    assert gen.text == target.tokenizer.decode(gen.tokens)
+
+
+def test_stats_add_up(no_eos):
+    gen = specmlx.generate(
+        no_eos["target"], PROMPT, draft=no_eos["perturbed"], num_draft=3, max_tokens=50
+    ).run()
+    s = gen.stats
+    assert s.tokens == 50 == len(gen.tokens)
+    assert s.accepted == sum(s.accepted_by_position)
+    assert s.tokens == s.accepted + s.target_passes  # each pass adds one token of its own
+    assert s.tokens_per_pass == pytest.approx(50 / s.target_passes)
+    assert s.prompt_tokens == s.prefill_tokens + 1  # the last prompt token opens round one
+
+
+def test_a_session_prefills_only_the_new_tokens(no_eos):
+    target, draft = no_eos["target"], no_eos["perturbed"]
+    session = specmlx.Session(target, draft)
+    ids = target.tokenizer.encode(PROMPT)
+    first = specmlx.generate(target, ids, draft=draft, max_tokens=10, session=session).run()
+    turn2 = ids + first.tokens + target.tokenizer.encode(" and then")
+    second = specmlx.generate(target, turn2, draft=draft, max_tokens=10, session=session).run()
+    assert second.stats.prefill_tokens <= len(turn2) - len(ids) - len(first.tokens) + 1
+    assert second.tokens == specmlx.generate(target, turn2, max_tokens=10).run().tokens
+
+
+def test_a_draft_with_another_embedding_padding_is_compared_on_the_shared_vocab(
+    model_dirs, tmp_path
+):
+    padded = specmlx.tiny.build_tiny_model(tmp_path / "padded", seed=9, pad_vocab_to=128)
+    target, draft = specmlx.load(model_dirs["target"]), specmlx.load(padded)
+    assert target.config["vocab_size"] != draft.config["vocab_size"]
+    target.tokenizer.eos_token_ids = set()
+    baseline = tokens(target, max_tokens=40)
+    assert tokens(target, draft, max_tokens=40) == baseline
+
+
+def test_a_draft_with_another_tokenizer_is_refused(model_dirs, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(model_dirs["target"], other)
+    tok = specmlx.tiny.train_tokenizer(vocab_size=280)
+    tok.save(str(other / "tokenizer.json"))
+    with pytest.raises(SpecmlxError, match="different tokenizer"):
+        specmlx.generate(
+            specmlx.load(model_dirs["target"]), PROMPT, draft=specmlx.load(other), max_tokens=2
+        )
+
+
+def test_prompt_as_token_ids_equals_prompt_as_text(no_eos):
+    target = no_eos["target"]
+    ids = target.tokenizer.encode(PROMPT)
+    assert specmlx.generate(target, ids, max_tokens=20).run().tokens == tokens(
+        target, max_tokens=20
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(num_draft=-1), dict(temperature=-1.0), dict(top_p=0.0), dict(max_tokens=0)],
+)
+def test_bad_arguments_raise_a_user_error(models, kwargs):
+    with pytest.raises(SpecmlxError):
+        specmlx.generate(models["target"], PROMPT, draft=models["perturbed"], **kwargs)
