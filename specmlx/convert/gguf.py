@@ -1,0 +1,223 @@
+"""GGUF files (llama.cpp, Ollama) as a quantize source: tensors, names, config, tokenizer.
+
+The `gguf` package parses the file; tensor data is then read straight from disk a range
+of rows at a time and dequantized with `gguf.quants` (numpy), so a 1 GB GGUF is never
+in memory at once. Names are mapped back to Hugging Face's, llama.cpp's q/k row
+permutation is undone for `llama`, and config.json plus a tokenizer are rebuilt from
+the metadata (see gguf_tokenizer.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import SpecmlxError
+from .quantize import Source, SourceTensor
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# Architectures whose q/k rows llama.cpp's converter permutes (HF rotary → GGML rotary).
+PERMUTED_QK = ("llama",)
+
+GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_GLOBAL = re.compile(r"(\w+)\.(weight|bias)")
+
+
+def _types() -> dict[str, Any]:
+    from gguf import GGMLQuantizationType as T
+
+    names = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
+    names += ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+    return {name: T[name] for name in names}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face / mlx-lm name of a GGUF tensor, or None if it has none."""
+    if m := _LAYER.fullmatch(gguf_name):
+        layer, part, kind = m.groups()
+        if part in LAYER_NAMES:
+            return f"model.layers.{layer}.{LAYER_NAMES[part]}.{kind}"
+        return None
+    if (m := _GLOBAL.fullmatch(gguf_name)) and m.group(1) in GLOBAL_NAMES:
+        return f"{GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
+    return None
+
+
+def read_fields(reader) -> dict[str, Any]:
+    return {key: field.contents() for key, field in reader.fields.items()}
+
+
+def _eps(value: float) -> float:
+    """GGUF stores float32: 9.999999747e-06 is the 1e-05 the checkpoint meant."""
+    return float(f"{value:.7g}")
+
+
+def build_config(fields: dict[str, Any], tensor_names: set[str], vocab_rows: int) -> dict:
+    arch = fields.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise SpecmlxError(
+            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}"
+        )
+
+    def get(key: str, default: Any = None) -> Any:
+        value = fields.get(f"{arch}.{key}", default)
+        if value is None:
+            raise SpecmlxError(f"GGUF metadata lacks {arch}.{key}: the file is incomplete")
+        return value
+
+    heads = get("attention.head_count")
+    hidden = get("embedding_length")
+    config = {
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "hidden_size": hidden,
+        "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": get("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": get("attention.head_count_kv", heads),
+        "rms_norm_eps": _eps(get("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": get("context_length", 2048),
+        "vocab_size": vocab_rows,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+    }
+    head_dim = fields.get(f"{arch}.attention.key_length")
+    if head_dim and head_dim != hidden // heads:
+        config["head_dim"] = head_dim
+    scaling = fields.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling not in ("linear", "yarn"):
+            raise SpecmlxError(f"GGUF rope scaling {scaling!r} is not supported (linear, yarn)")
+        config["rope_scaling"] = {"type": scaling, "factor": get("rope.scaling.factor")}
+        if scaling == "yarn":
+            original = get("rope.scaling.original_context_length")
+            config["rope_scaling"]["original_max_position_embeddings"] = original
+    for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos")):
+        if (value := fields.get(f"tokenizer.ggml.{name}_token_id")) is not None:
+            config[key] = value
+    return config
+
+
+def _unpermute(rows: np.ndarray, head_dim: int) -> np.ndarray:
+    """Undo llama.cpp's `permute`: within each head it interleaved the two rotary halves."""
+    shape = rows.shape
+    return rows.reshape(-1, head_dim // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def _tensor_reader(path: Path, info, qtype_name: str, shape: tuple[int, ...], head_dim: int):
+    from gguf import GGML_QUANT_SIZES, quants
+
+    qtype = info.tensor_type
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    row_elems = int(np.prod(shape[1:], dtype=np.int64))
+    offset = int(info.data_offset)
+
+    def read_rows(start: int, stop: int) -> mx.array:
+        first, count = start * row_elems, (stop - start) * row_elems
+        with open(path, "rb") as f:
+            f.seek(offset + first // block * block_bytes)
+            raw = np.fromfile(f, dtype=np.uint8, count=count // block * block_bytes)
+        if qtype_name in ("F32", "F16"):
+            values = raw.view(np.float32 if qtype_name == "F32" else np.float16)
+        elif qtype_name == "BF16":
+            values = raw.view(np.uint16)
+        else:
+            # one long "row": gguf.quants loops over rows in Python but is vectorised within
+            values = quants.dequantize(raw.reshape(1, -1), qtype)
+        values = values.reshape(stop - start, *shape[1:])
+        if head_dim:
+            values = _unpermute(values, head_dim)
+        array = mx.array(values)
+        return array.view(mx.bfloat16) if qtype_name == "BF16" else array
+
+    # reads must cover whole quant blocks and, when permuted, whole heads
+    align = block // math.gcd(row_elems, block)
+    if head_dim:
+        align = math.lcm(align, head_dim)
+    return read_rows, align
+
+
+def open_gguf(path: Path) -> Source:
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError, struct errors, IndexError…
+        raise SpecmlxError(
+            f"{path} is not a valid GGUF file or is truncated ({type(e).__name__}: {e})"
+        ) from None
+    fields = read_fields(reader)
+    size = path.stat().st_size
+    supported = _types()
+    by_name = {}
+    for info in reader.tensors:
+        if int(info.data_offset) + int(info.n_bytes) > size:
+            raise SpecmlxError(f"{path} is truncated: tensor {info.name} runs past the end")
+        type_name = info.tensor_type.name
+        if type_name not in supported:
+            raise SpecmlxError(
+                f"{path}: tensor {info.name} uses GGUF type {type_name}, which is not supported "
+                f"(supported: {', '.join(supported)})"
+            )
+        name = hf_name(info.name)
+        if name is None:
+            raise SpecmlxError(f"{path}: GGUF tensor {info.name} has no Hugging Face equivalent")
+        by_name[name] = info
+    if "model.embed_tokens.weight" not in by_name:
+        raise SpecmlxError(f"{path} has no token_embd.weight tensor")
+    vocab_rows = int(by_name["model.embed_tokens.weight"].shape[-1])
+    config = build_config(fields, {info.name for info in reader.tensors}, vocab_rows)
+    config["torch_dtype"] = "float16"
+
+    from .gguf_tokenizer import build_tokenizer
+
+    write_tokenizer = build_tokenizer(fields, config)
+    arch = config["model_type"]
+    tensors = {}
+    for name, info in by_name.items():
+        shape = tuple(int(n) for n in reversed(info.shape.tolist()))
+        head_dim = 0
+        if arch in PERMUTED_QK and ".self_attn.q_proj." in name:
+            head_dim = shape[0] // config["num_attention_heads"]
+        elif arch in PERMUTED_QK and ".self_attn.k_proj." in name:
+            head_dim = shape[0] // config["num_key_value_heads"]
+        read_rows, align = _tensor_reader(path, info, info.tensor_type.name, shape, head_dim)
+        tensors[name] = SourceTensor(shape, int(info.n_bytes), read_rows, align)
+    del reader  # its memory map of the whole file is not needed any more
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return Source(
+        str(path),
+        path,
+        "gguf",
+        config,
+        tensors,
+        digest.hexdigest(),
+        "the GGUF file",
+        write_tokenizer,
+    )
