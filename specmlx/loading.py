@@ -128,8 +128,14 @@ def cast_floating(module: nn.Module, dtype: str) -> None:
     module.update(tree_map(cast, module.parameters()))
 
 
-def load(path_or_repo: str | Path, dtype: str = "auto", lazy: bool = True) -> Model:
-    """Load a model directory or hub id (dense or MLX-quantized) for generation."""
+def load(
+    path_or_repo: str | Path, dtype: str = "auto", lazy: bool = True, native: bool = True
+) -> Model:
+    """Load a model directory or hub id (dense or MLX-quantized) for generation.
+
+    With `native`, INT4 layers run on specmlx's CPU kernel where it applies (see
+    specmlx.native; everything else, and the GPU, keeps mx.quantized_matmul).
+    """
     from mlx_lm.utils import load_model, load_tokenizer
 
     path = resolve_path(path_or_repo)
@@ -142,6 +148,10 @@ def load(path_or_repo: str | Path, dtype: str = "auto", lazy: bool = True) -> Mo
         raise SpecmlxError(f"cannot build the model in {path}: {e}") from e
     chosen = pick_dtype(config, dtype)
     cast_floating(module, chosen)
+    if native:
+        from .native import patch_model
+
+        patch_model(module)
     if not lazy:
         mx.eval(module.parameters())
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))

@@ -10,6 +10,7 @@ it handles (other bits or modes, a GPU stream), everything falls back to
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import platform
@@ -27,7 +28,11 @@ GROUP_SIZES = (32, 64, 128)
 FLOAT_TYPES = (mx.float32, mx.bfloat16, mx.float16)
 
 
-def _load(native_dir: Path = NATIVE_DIR, mlx_version: str = mx.__version__):
+def _load(
+    native_dir: Path = NATIVE_DIR,
+    mlx_version: str = mx.__version__,
+    module: str = "specmlx._native._ext",
+) -> tuple[ModuleType | None, str]:
     """(the extension module, '') or (None, why it cannot be used)."""
     if os.environ.get("SPECMLX_NATIVE", "1") == "0":
         return None, "disabled by SPECMLX_NATIVE=0"
@@ -51,10 +56,9 @@ def _load(native_dir: Path = NATIVE_DIR, mlx_version: str = mx.__version__):
             "rebuild with `pip install -e .`"
         )
     try:
-        from ._native import _ext
+        return importlib.import_module(module), ""
     except ImportError as e:  # missing .so, undefined symbols, nanobind mismatch
-        return None, f"failed to import ({e})"
-    return _ext, ""
+        return None, f"failed to import {module} ({e})"
 
 
 def _platform_expects_native() -> bool:

@@ -1,0 +1,284 @@
+"""The native INT4 CPU kernel: agreement with MLX, its layouts and threads, the fallbacks."""
+
+import json
+import platform
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+import specmlx
+from specmlx import native
+
+needs_native = pytest.mark.skipif(
+    not native.available(), reason=f"native kernel not available: {native.reason()}"
+)
+linux_x86 = pytest.mark.skipif(
+    sys.platform != "linux" or platform.machine().lower() not in ("x86_64", "amd64"),
+    reason="the native kernel is built only on Linux x86_64",
+)
+FLOATS = [mx.float32, mx.bfloat16, mx.float16]
+
+
+def quantized(n, k, group_size=64, bits=4, dtype=mx.float32, seed=0):
+    mx.random.seed(seed)
+    w, scales, biases = mx.quantize(mx.random.normal((n, k)), group_size=group_size, bits=bits)
+    return w, scales.astype(dtype), biases.astype(dtype)
+
+
+def truth(x, w, scales, biases, group_size):
+    """x @ dequant(w).T in float32 from float32 operands: what both kernels approximate."""
+    f32 = mx.float32
+    dense = mx.dequantize(w, scales.astype(f32), biases.astype(f32), group_size=group_size, bits=4)
+    return x.astype(f32) @ dense.T
+
+
+def rel_err(a, b):
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    return (mx.abs(a - b).max() / mx.maximum(mx.abs(b).max(), 1e-6)).item()
+
+
+def tol(dtype):
+    """Relative tolerance: float32 sums differ only in order; halves round the output."""
+    return 2e-5 if dtype == mx.float32 else 1e-2
+
+
+@pytest.fixture
+def each_isa():
+    """Run a test body under every ISA this CPU has; restore the best afterwards."""
+    best = native._ext.isa()
+    names = ["scalar", "avx2", "avx512"]
+    yield names[: names.index(best) + 1]
+    native._ext.set_isa(best)
+
+
+@needs_native
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("m", range(1, 18))
+def test_matches_mlx_every_row_count(m, group_size, each_isa):
+    w, s, b = quantized(37, 3 * group_size, group_size)  # odd N: a lone last output row
+    x = mx.random.normal((m, 3 * group_size))
+    ref = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=group_size, bits=4)
+    for isa in each_isa:
+        native._ext.set_isa(isa)
+        out = native.quantized_matmul(x, w, s, b, group_size)
+        assert out.shape == ref.shape and out.dtype == ref.dtype
+        assert rel_err(out, ref) < 2e-5, isa
+
+
+@needs_native
+@pytest.mark.parametrize("n,k", [(1, 64), (2, 128), (3, 192), (129, 320)])
+def test_odd_shapes(n, k):
+    w, s, b = quantized(n, k)
+    x = mx.random.normal((5, k))
+    ref = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4)
+    assert rel_err(native.quantized_matmul(x, w, s, b, 64), ref) < 2e-5
+
+
+@needs_native
+@pytest.mark.parametrize("x_dtype", FLOATS)
+@pytest.mark.parametrize("scale_dtype", FLOATS)
+def test_dtypes(x_dtype, scale_dtype, each_isa):
+    w, s, b = quantized(40, 256, 64, dtype=scale_dtype)
+    x = mx.random.normal((3, 256)).astype(x_dtype)
+    expected = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4).dtype
+    want = truth(x, w, s, b, 64)
+    for isa in each_isa:
+        native._ext.set_isa(isa)
+        out = native.quantized_matmul(x, w, s, b, 64)
+        assert out.dtype == expected  # promote_types(x, scales), as MLX does
+        assert rel_err(out, want) < tol(out.dtype), isa
+
+
+@needs_native
+def test_non_contiguous_and_batched_inputs():
+    w, s, b = quantized(48, 256)
+    big = mx.random.normal((4, 6, 512))
+    cases = {
+        "3-D": big[:, :, :256],
+        "strided": big[:, ::2, ::2],
+        "transposed": mx.random.normal((256, 5)).T,
+        "broadcast": mx.broadcast_to(mx.random.normal((1, 256)), (3, 256)),
+        "1-D": mx.random.normal((256,)),
+    }
+    for name, x in cases.items():
+        ref = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4)
+        out = native.quantized_matmul(x, w, s, b, 64)
+        assert out.shape == ref.shape, name
+        assert rel_err(out, ref) < 2e-5, name
+    # weights sliced out of a larger matrix (every other output row)
+    w2, s2, b2 = quantized(96, 256, seed=1)
+    x = mx.random.normal((2, 256))
+    ref = mx.quantized_matmul(x, w2[::2], s2[::2], b2[::2], transpose=True, group_size=64, bits=4)
+    assert rel_err(native.quantized_matmul(x, w2[::2], s2[::2], b2[::2], 64), ref) < 2e-5
+
+
+@needs_native
+def test_inside_compile_and_lazy_graphs():
+    w, s, b = quantized(64, 128)
+
+    def layer(x):
+        return mx.maximum(native.quantized_matmul(x * 2.0, w, s, b, 64), 0.0) + 1.0
+
+    x = mx.random.normal((3, 128))
+    eager = layer(x)
+    compiled = mx.compile(layer)
+    assert rel_err(compiled(x), eager) < 1e-6
+    assert rel_err(compiled(x + 1.0), layer(x + 1.0)) < 1e-6  # retraced input, same graph
+    shapeless = mx.compile(layer, shapeless=True)
+    for m in (1, 4):
+        x = mx.random.normal((m, 128))
+        assert rel_err(shapeless(x), layer(x)) < 1e-6
+    # nothing evaluated yet: weights and x are both outputs of pending computations
+    lazy = native.quantized_matmul(mx.ones((2, 128)) * 0.5, w + 0, s * 1.0, b * 1.0, 64)
+    ref = mx.quantized_matmul(mx.full((2, 128), 0.5), w, s, b, transpose=True, group_size=64)
+    assert rel_err(lazy, ref) < 2e-5
+
+
+@needs_native
+def test_threads_agree():
+    w, s, b = quantized(1030, 2048)  # big enough to be split across threads
+    x = mx.random.normal((3, 2048))
+    before = native.threads()
+    try:
+        native.set_threads(1)
+        one = native.quantized_matmul(x, w, s, b, 64)
+        mx.eval(one)
+        native.set_threads(3)
+        assert native.threads() == 3
+        many = native.quantized_matmul(x, w, s, b, 64)
+        assert mx.array_equal(one, many).item()  # rows are split, sums are not: bit-equal
+    finally:
+        native.set_threads(before)
+
+
+@needs_native
+def test_empty_rows():
+    w, s, b = quantized(8, 64)
+    out = native.quantized_matmul(mx.zeros((0, 64)), w, s, b, 64)
+    assert out.shape == (0, 8)
+
+
+@needs_native
+def test_bad_operands_raise():
+    w, s, b = quantized(8, 128)
+    with pytest.raises(ValueError):
+        native._ext.quantized_matmul(mx.zeros((2, 64)), w, s, b, 64)  # wrong K
+    with pytest.raises(ValueError):
+        native._ext.quantized_matmul(mx.zeros((2, 128)), w, s, b, 48)  # group size
+
+
+def test_unsupported_calls_fall_back_to_mlx():
+    x = mx.random.normal((3, 128))
+    for bits in (2, 8):
+        w, s, b = quantized(16, 128, bits=bits)
+        assert not native.supports(x, w, s, b, 64, bits)
+        ref = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=bits)
+        assert mx.array_equal(native.quantized_matmul(x, w, s, b, 64, bits), ref).item()
+    w, s, b = quantized(16, 128)
+    assert not native.supports(x, w, s, None, 64, 4)  # no biases: not affine
+    assert not native.supports(x, w, s, b, 64, 4, mode="mxfp4")
+    assert not native.supports(x, w, s, b, 64, 4, transpose=False)
+
+
+def test_gpu_streams_fall_back(monkeypatch):
+    w, s, b = quantized(16, 128)
+    x = mx.random.normal((2, 128))
+    monkeypatch.setattr(native.mx, "default_device", lambda: mx.gpu)
+    assert not native.supports(x, w, s, b, 64, 4)
+    assert native.patch_model(nn.QuantizedLinear(128, 16)) == 0
+
+
+def test_unavailable_kernel_falls_back(monkeypatch):
+    monkeypatch.setattr(native, "_ext", None)
+    monkeypatch.setattr(native, "_reason", "not built")
+    w, s, b = quantized(16, 128)
+    x = mx.random.normal((2, 128))
+    ref = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4)
+    assert mx.array_equal(native.quantized_matmul(x, w, s, b, 64), ref).item()
+    assert native.patch_model(nn.QuantizedLinear(128, 16)) == 0
+    assert not native.available() and "not built" in native.describe()
+
+
+@linux_x86
+def test_version_guard(tmp_path):
+    (tmp_path / native.BUILD_INFO).write_text(json.dumps({"mlx": "0.31.2"}))
+    ext, why = native._load(tmp_path, mlx_version="0.32.4")
+    assert ext is None
+    assert "built for mlx 0.31.2 but mlx 0.32.4 is installed" in why
+
+
+@linux_x86
+def test_missing_or_broken_build(tmp_path, monkeypatch):
+    ext, why = native._load(tmp_path)
+    assert ext is None and "not built" in why
+    (tmp_path / native.BUILD_INFO).write_text(json.dumps({"mlx": mx.__version__}))
+    ext, why = native._load(tmp_path, module="specmlx._native._no_such_ext")
+    assert ext is None and "failed to import" in why
+    monkeypatch.setenv("SPECMLX_NATIVE", "0")
+    assert native._load(tmp_path) == (None, "disabled by SPECMLX_NATIVE=0")
+
+
+@pytest.fixture
+def quantized_tiny(model_dirs):
+    """A fresh (not the shared session) tiny qwen2, quantized to INT4 g32, and a copy of it."""
+
+    def load():
+        model = specmlx.load(model_dirs["target"], native=False)
+        nn.quantize(model.module, group_size=32, bits=4)
+        return model
+
+    return load
+
+
+@needs_native
+def test_patch_model_keeps_outputs(quantized_tiny):
+    plain, patched = quantized_tiny(), quantized_tiny()
+    layers = [m for m in patched.module.modules() if isinstance(m, nn.QuantizedLinear)]
+    embeds = [m for m in patched.module.modules() if isinstance(m, nn.QuantizedEmbedding)]
+    assert native.patch_model(patched.module) == len(layers) + len(embeds)
+    assert all(isinstance(m, native.NativeQuantizedLinear) for m in layers)
+    assert native.patch_model(patched.module) == 0  # already patched
+    tokens = mx.array([[1, 5, 9, 14, 3, 7]])
+    assert rel_err(patched.module(tokens), plain.module(tokens)) < 1e-5
+    run = specmlx.generate
+    assert run(patched, "def f(x):", max_tokens=12).run().tokens == (
+        run(plain, "def f(x):", max_tokens=12).run().tokens
+    )
+
+
+@needs_native
+def test_patch_model_skips_other_layers():
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64))
+    nn.quantize(model, group_size=64, bits=8)
+    assert native.patch_model(model) == 0
+    embed = nn.QuantizedEmbedding(100, 64, group_size=64, bits=4)
+    assert native.patch_model(embed) == 1
+    x = mx.random.normal((3, 64))
+    ref = mx.quantized_matmul(
+        x, embed["weight"], embed["scales"], embed["biases"], transpose=True, group_size=64
+    )
+    assert rel_err(embed.as_linear(x), ref) < 2e-5  # tied output heads use as_linear
+
+
+@needs_native
+def test_load_patches_int4_models_on_cpu(quantized_tiny, model_dirs, tmp_path):
+    """specmlx.load(native=True, the default) routes an INT4 checkpoint through the kernel."""
+    from mlx.utils import tree_flatten
+
+    model = quantized_tiny()
+    for f in model_dirs["target"].iterdir():
+        if f.suffix != ".safetensors":
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    config = json.loads((model_dirs["target"] / "config.json").read_text())
+    config["quantization"] = {"group_size": 32, "bits": 4}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    weights = dict(tree_flatten(model.module.parameters()))
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), weights)
+
+    def native_layers(m):
+        return sum(isinstance(x, native.NativeQuantizedLinear) for x in m.module.modules())
+
+    assert native_layers(specmlx.load(tmp_path, native=False)) == 0
+    assert native_layers(specmlx.load(tmp_path)) > 0
