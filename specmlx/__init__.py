@@ -6,9 +6,36 @@ for step in specmlx.generate(target, "Write quicksort in Python.", draft=draft):
     print(step.text, end="")
 """
 
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING
+
 from .errors import SpecmlxError
-from .loading import Model, load
-from .speculative import Generation, Session, Stats, Step, generate
+
+if TYPE_CHECKING:
+    from .loading import Model, load
+    from .speculative import Generation, Session, Stats, Step, generate
 
 __version__ = "0.1.0"
 __all__ = ["Generation", "Model", "Session", "SpecmlxError", "Stats", "Step", "generate", "load"]
+
+# The engine imports mlx-lm, which imports transformers (1.5-2.5 s): it is loaded on
+# first use, so that `specmlx --help` and a bad flag answer at once.
+_LAZY = {
+    "Model": "loading",
+    "load": "loading",
+    "Generation": "speculative",
+    "Session": "speculative",
+    "Stats": "speculative",
+    "Step": "speculative",
+    "generate": "speculative",
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'specmlx' has no attribute {name!r}")
+    value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value
+    return value

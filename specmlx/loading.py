@@ -8,6 +8,7 @@ activation precision that is fast on the backend at hand.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -142,6 +143,7 @@ def load(
     config = read_config(path)
     if not list(path.glob("model*.safetensors")):
         raise SpecmlxError(f"{path} has no model*.safetensors weights")
+    t0 = time.perf_counter()
     try:
         module, config = load_model(path, lazy=True)
     except ValueError as e:
@@ -154,10 +156,14 @@ def load(
         patch_model(module)
     if not lazy:
         mx.eval(module.parameters())
+    t1 = time.perf_counter()
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    t2 = time.perf_counter()
     logits_dim = config.get("vocab_size") or module.args.vocab_size
     vocab_size = min(len(tokenizer), logits_dim)
-    return Model(module, tokenizer, config, path, vocab_size, chosen)
+    # weights_s covers reading the tensors only when lazy=False (else the first forward does).
+    info = {"weights_s": t1 - t0, "tokenizer_s": t2 - t1}
+    return Model(module, tokenizer, config, path, vocab_size, chosen, info)
 
 
 def check_pair(target: Model, draft: Model) -> None:

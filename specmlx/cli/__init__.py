@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 import typer
 
@@ -12,6 +13,9 @@ except ImportError:  # pragma: no cover
     from click import exceptions as click_errors
 
 from ..errors import SpecmlxError
+
+# Stands in for the process start where /proc cannot tell it (see report.process_start).
+IMPORTED_AT = time.time()
 
 app = typer.Typer(
     name="specmlx",
@@ -30,7 +34,7 @@ def _root(
 
 
 def _register() -> None:
-    from . import bench, generate  # noqa: F401  (commands register themselves on `app`)
+    from . import bench, chat, generate  # noqa: F401  (commands register themselves on `app`)
     from . import quantize  # noqa: F401
 
 

@@ -10,26 +10,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from . import app, options
-
-
-def stats_line(stats, backend: str) -> str:
-    """One line of numbers, all read from Stats (never recomputed here)."""
-    parts = [
-        f"{stats.tokens} tokens",
-        f"{stats.decode_tps:.1f} tok/s",
-        f"prefill {stats.prompt_tokens} tok in {stats.prefill_time:.2f} s",
-        f"TTFT {stats.ttft:.2f} s",
-    ]
-    if stats.drafted:
-        parts += [
-            f"α {stats.acceptance:.2f}",
-            f"τ {stats.tokens_per_pass:.2f}",
-            f"γ {stats.gamma}",
-            f"draft/verify {stats.draft_time:.2f}/{stats.verify_time:.2f} s",
-        ]
-    parts.append(backend)
-    return " · ".join(parts)
+from . import app, options, report
 
 
 @app.command()
@@ -48,45 +29,50 @@ def generate(
     gamma: str = options.Gamma,
     seed: int = options.Seed,
     dtype: str = options.Dtype,
+    system: str = options.System,
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
 ) -> None:
     """Generate a reply to one prompt, speculatively when a draft is given."""
+    num_draft = options.check_settings(max_tokens, temperature, top_p, top_k, gamma)
+    text = options.read_prompt(prompt, prompt_file)
+    err = Console(stderr=True, soft_wrap=True, highlight=False)
+    log = (lambda msg: None) if as_json else (lambda msg: err.print(f"[dim]{msg}[/dim]"))
+    target, drafter, timings = options.load_timed(model, draft, no_draft, dtype, log)
+
     from ..loading import backend
-    from ..sampling import SamplingParams
     from ..speculative import generate as run
 
-    t_start = time.perf_counter()
-    err = Console(stderr=True, soft_wrap=True)
-    SamplingParams(temperature, top_p, top_k)  # validate before loading anything
-    num_draft = options.parse_gamma(gamma)
-    if max_tokens < 1:
-        raise options.SpecmlxError(f"--max-tokens must be >= 1, got {max_tokens}")
-    text = options.read_prompt(prompt, prompt_file)
-    log = (lambda msg: None) if as_json else (lambda msg: err.print(f"[dim]{msg}[/dim]"))
-    target, drafter = options.load_pair(model, draft, no_draft, dtype, log)
-    load_time = time.perf_counter() - t_start
+    if not as_json:
+        for line in report.startup_lines(target, drafter, timings, backend()):
+            log(line)
     tokenizer = target.tokenizer
     if not raw and getattr(tokenizer, "has_chat_template", False):
-        messages = [{"role": "user", "content": text}]
+        messages = [{"role": "system", "content": system}] if system else []
+        messages.append({"role": "user", "content": text})
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     else:
         ids = text
-    gen = run(
+    gen, num_draft = options.start_generation(
+        run,
         target,
         ids,
+        num_draft,
         draft=drafter,
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
-        num_draft=num_draft,
         seed=seed,
     )
+    shown = 0
     for step in gen:
         if not as_json:
             sys.stdout.write(step.text)
             sys.stdout.flush()
+            shown += len(step.text)
+    first_token_s = timings["cold_start_s"] + gen.stats.ttft
+    total_s = time.time() - report.process_start()
     stats = gen.stats
     if as_json:
         out = {
@@ -106,15 +92,27 @@ def generate(
             },
             "stats": stats.to_dict(),
             "timings": {
-                "load_s": load_time,
+                "load_s": timings["cold_start_s"] - timings["before_main_s"],
                 "prefill_s": stats.prefill_time,
                 "ttft_s": stats.ttft,
                 "draft_s": stats.draft_time,
                 "verify_s": stats.verify_time,
                 "decode_s": stats.decode_time,
+                # the cold start, part by part (process start = interpreter launch)
+                "cold_start_s": timings["cold_start_s"],
+                "interpreter_s": timings["before_main_s"],
+                "import_s": timings["import_s"],
+                "tokenizer_s": timings["tokenizer_s"],
+                "weights_s": timings["weights_s"],
+                "first_forward_s": stats.prefill_time,
+                "first_token_s": first_token_s,
+                "total_s": total_s,
             },
+            "memory": report.memory(),
         }
         print(json.dumps(out, ensure_ascii=False))
     else:
-        sys.stdout.write("\n")
-        err.print(f"[dim]{stats_line(stats, backend())} · load {load_time:.2f} s[/dim]")
+        # After an EOS the engine may flush text it held back; print that too.
+        sys.stdout.write(gen.text[shown:] + "\n")
+        log(f"{report.stats_line(stats)} · first token {first_token_s:.2f} s after start")
+        log(report.memory_line())

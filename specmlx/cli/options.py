@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import typer
@@ -16,19 +17,55 @@ MaxTokens = typer.Option(256, "--max-tokens", "-n", help="Maximum tokens to gene
 Temperature = typer.Option(0.0, "--temperature", "-t", help="0 = greedy.")
 TopP = typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1].")
 TopK = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = all).")
-Gamma = typer.Option("4", "--gamma", "-g", help="Draft tokens per round (integer >= 0).")
+Gamma = typer.Option("4", "--gamma", "-g", help="Draft tokens per round: an integer >= 0, or auto.")
 Seed = typer.Option(0, "--seed", "-s", help="Random seed; the same seed gives the same output.")
 Dtype = typer.Option("auto", "--dtype", help="auto (float32 on CPU), float32, float16, bfloat16.")
+System = typer.Option(None, "--system", help="System prompt (uses the model's chat template).")
+
+# What --gamma auto becomes when the engine has no automatic policy to hand it to.
+DEFAULT_GAMMA = 4
 
 
-def parse_gamma(text: str) -> int:
+def parse_gamma(text: str) -> int | str:
+    """An integer >= 0, or "auto" (the engine picks γ per round)."""
+    if text.strip().lower() == "auto":
+        return "auto"
     try:
         gamma = int(text)
     except ValueError:
-        raise SpecmlxError(f"--gamma must be an integer >= 0, got {text!r}") from None
+        raise SpecmlxError(f"--gamma must be an integer >= 0 or auto, got {text!r}") from None
     if gamma < 0:
         raise SpecmlxError(f"--gamma must be >= 0, got {gamma}")
     return gamma
+
+
+def check_settings(
+    max_tokens: int, temperature: float, top_p: float, top_k: int, gamma: str
+) -> int | str:
+    """Validate the generation flags before anything slow is loaded; return γ parsed."""
+    from ..sampling import SamplingParams
+
+    SamplingParams(temperature, top_p, top_k)
+    if max_tokens < 1:
+        raise SpecmlxError(f"--max-tokens must be >= 1, got {max_tokens}")
+    return parse_gamma(gamma)
+
+
+def start_generation(run, target, prompt, gamma: int | str, **kwargs):
+    """Call the engine's `generate`, passing γ = auto through when the engine supports it.
+
+    An engine without an automatic γ policy rejects "auto" with a SpecmlxError that
+    names num_draft; then the fixed DEFAULT_GAMMA is used instead.
+    Returns (generation, the γ actually requested).
+    """
+    if gamma == "auto":
+        try:
+            return run(target, prompt, num_draft="auto", **kwargs), "auto"
+        except SpecmlxError as e:
+            if "num_draft" not in str(e):
+                raise
+            gamma = DEFAULT_GAMMA
+    return run(target, prompt, num_draft=gamma, **kwargs), gamma
 
 
 def load_pair(model: str | None, draft: str | None, no_draft: bool, dtype: str, log):
@@ -41,12 +78,39 @@ def load_pair(model: str | None, draft: str | None, no_draft: bool, dtype: str, 
         log("no --model given: using the tiny demo pair (random weights, so its text is noise)")
         model = str(target_path)
         draft = draft or str(draft_path)
-    target = load(model, dtype=dtype)
+    # Weights are read now (not at the first forward) so "ready" means ready.
+    target = load(model, dtype=dtype, lazy=False)
     if no_draft or draft is None:
         return target, None
-    drafter = load(draft, dtype=dtype)
+    drafter = load(draft, dtype=dtype, lazy=False)
     check_pair(target, drafter)
     return target, drafter
+
+
+def load_timed(model: str | None, draft: str | None, no_draft: bool, dtype: str, log):
+    """load_pair, plus where the cold start went: returns (target, draft, timings).
+
+    timings (seconds): before_main_s (interpreter start and the CLI's own imports),
+    import_s (mlx, mlx-lm, transformers), weights_s, tokenizer_s (both models),
+    cold_start_s (process start to both models ready).
+    """
+    from .report import process_start
+
+    t0 = time.perf_counter()
+    before_main = time.time() - process_start()
+    from .. import speculative  # noqa: F401  (mlx-lm pulls in transformers: most of a cold start)
+
+    import_s = time.perf_counter() - t0
+    target, drafter = load_pair(model, draft, no_draft, dtype, log)
+    loaded = [m for m in (target, drafter) if m is not None]
+    timings = {
+        "before_main_s": before_main,
+        "import_s": import_s,
+        "weights_s": sum(m.info.get("weights_s", 0.0) for m in loaded),
+        "tokenizer_s": sum(m.info.get("tokenizer_s", 0.0) for m in loaded),
+        "cold_start_s": time.time() - process_start(),
+    }
+    return target, drafter, timings
 
 
 def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:

@@ -1,0 +1,361 @@
+"""`specmlx chat`: a multi-turn REPL whose models keep their KV caches between turns.
+
+Each turn hands the whole conversation, as token ids, to one Session, which prefills
+only what its caches do not hold yet: a turn costs its new tokens (shown after every
+reply). Replies go to stdout, everything else to stderr, so a pipe gets just the text.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields, replace
+
+from rich.console import Console
+
+from ..errors import SpecmlxError
+from . import app, options, report
+
+HELP = """\
+/help                  this list
+/reset                 forget the conversation and clear both KV caches
+/stats                 totals for this session
+/set                   show the settings
+/set NAME VALUE        NAME: temperature, top_p, top_k, gamma, max_tokens, system
+/draft on|off          speculative decoding on or off
+/exit                  quit (also /bye, Ctrl-D)
+\"\"\"                    start or end a multi-line message
+Ctrl-C stops a reply; the conversation keeps what was shown."""
+
+SETTING_NAMES = ("temperature", "top_p", "top_k", "gamma", "max_tokens", "system")
+
+
+@dataclass
+class Conversation:
+    """What the models have seen: chat messages, and the exact token ids they became."""
+
+    system: str | None = None
+    messages: list[dict] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)  # every token fed or emitted, in order
+    text: str = ""  # the rendered chat text that `ids` encode; the next turn extends it
+
+    def clear(self) -> None:
+        self.messages, self.ids, self.text = [], [], ""
+
+
+@dataclass
+class Settings:
+    temperature: float
+    top_p: float
+    top_k: int
+    gamma: int | str
+    max_tokens: int
+    seed: int
+    draft_on: bool
+
+
+@app.command()
+def chat(
+    model: str = options.Model,
+    draft: str = options.Draft,
+    no_draft: bool = options.NoDraft,
+    max_tokens: int = options.MaxTokens,
+    temperature: float = options.Temperature,
+    top_p: float = options.TopP,
+    top_k: int = options.TopK,
+    gamma: str = options.Gamma,
+    seed: int = options.Seed,
+    dtype: str = options.Dtype,
+    system: str = options.System,
+) -> None:
+    """Chat with a model, speculatively when a draft is given; /help lists the commands."""
+    num_draft = options.check_settings(max_tokens, temperature, top_p, top_k, gamma)
+    err = Console(stderr=True, soft_wrap=True, highlight=False)
+    out = Console(soft_wrap=True, highlight=False)
+
+    def note(msg: str, style: str | None = "dim") -> None:
+        err.print(msg, style=style, markup=False)
+
+    target, drafter, timings = options.load_timed(model, draft, no_draft, dtype, note)
+
+    from ..loading import backend
+    from ..speculative import Session, Stats
+
+    for line in report.startup_lines(target, drafter, timings, backend()):
+        note(line)
+    note("/help for commands, Ctrl-D or /exit to quit")
+    session = Session(target, drafter)
+    settings = Settings(temperature, top_p, top_k, num_draft, max_tokens, seed, drafter is not None)
+    convo = Conversation(system=system)
+    totals = Stats()
+    ask = terminal_input() if sys.stdin.isatty() else piped_input
+    while True:
+        try:
+            message = read_message(ask)
+        except KeyboardInterrupt:
+            note("\n(Ctrl-D or /exit to quit)")
+            continue
+        except EOFError:
+            if sys.stdin.isatty():
+                err.print()
+            return
+        if message.startswith("/"):
+            if not run_command(message, session, settings, convo, totals, note):
+                return
+            continue
+        if not message.strip():
+            continue
+        try:
+            reply(message, session, settings, convo, totals, out, note)
+        except SpecmlxError as e:  # a bad setting or an over-long prompt: say so, keep chatting
+            note(f"error: {e}", style="red")
+
+
+def reply(message, session, settings, convo, totals, out: Console, note) -> None:
+    """One turn: encode the conversation, stream the reply, record it and its stats."""
+    from ..speculative import generate
+
+    target = session.target
+    ids, text = conversation_ids(target.tokenizer, convo, message)
+    limit = target.config.get("max_position_embeddings")
+    room = limit - len(ids) if limit else settings.max_tokens
+    if room < 1:
+        note(
+            f"context full: the conversation is {len(ids)} tokens and {target.name} takes "
+            f"{limit}; /reset to start a new one",
+            style="yellow",
+        )
+        return
+    gen, _ = options.start_generation(
+        generate,
+        target,
+        ids,
+        settings.gamma if settings.draft_on else 0,
+        draft=session.draft if settings.draft_on else None,
+        session=session,
+        max_tokens=min(settings.max_tokens, room),
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        top_k=settings.top_k,
+        seed=settings.seed,
+    )
+    shown = 0
+    with sigint_flag() as interrupted:
+        try:
+            for step in gen:
+                out.out(step.text, end="")
+                shown += len(step.text)
+                if interrupted:
+                    break
+        except KeyboardInterrupt:  # a second Ctrl-C: stop even mid-round
+            interrupted.append(signal.SIGINT)
+        finally:
+            gen.close()  # the Session trims both caches back to what was emitted
+    if not interrupted:
+        out.out(gen.text[shown:], end="")  # text the detokenizer held until the end
+    out.out("")
+    if interrupted:
+        note("[interrupted]")
+    remember(convo, message, ids, text, gen, target.tokenizer)
+    add_stats(totals, gen.stats)
+    note(report.stats_line(gen.stats))
+    if limit and len(convo.ids) >= limit:
+        note(f"context full ({limit} tokens): /reset to start a new conversation", style="yellow")
+
+
+def conversation_ids(tokenizer, convo: Conversation, message: str) -> tuple[list[int], str]:
+    """Token ids (and rendered text) of the conversation plus a new user message.
+
+    The ids already seen are kept as they are and only the new text is encoded, so the
+    prefix matches the caches token for token (re-encoding a reply may tokenize it
+    differently from how it was generated). When the chat template rewrites history
+    (e.g. trims it), the whole text is encoded and the Session reuses what still matches.
+    """
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    if not getattr(tokenizer, "has_chat_template", False):
+        # A base model: the conversation is plain text, one message per line.
+        text = convo.text + message + "\n"
+        new = message + "\n"
+        if convo.ids:
+            return convo.ids + encode(new), text
+        return tokenizer.encode(new), text
+    messages = [{"role": "system", "content": convo.system}] if convo.system else []
+    messages += convo.messages + [{"role": "user", "content": message}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if convo.ids and text.startswith(convo.text):
+        return convo.ids + encode(text[len(convo.text) :]), text
+    return encode(text), text
+
+
+def remember(convo: Conversation, message: str, ids: list[int], text: str, gen, tokenizer):
+    """Add the turn to the conversation; the reply is what was generated (and shown)."""
+    convo.messages += [
+        {"role": "user", "content": message},
+        {"role": "assistant", "content": gen.text},
+    ]
+    if tokenizer.decode(gen.tokens) == gen.text:
+        convo.ids, convo.text = ids + gen.tokens, text + gen.text
+    else:  # an interrupted multi-byte character: let the next turn re-encode the text
+        convo.ids, convo.text = [], ""
+
+
+def add_stats(totals, stats) -> None:
+    """Session totals: the sum of every per-turn count and time (the ratios follow)."""
+    for f in fields(stats):
+        value = getattr(stats, f.name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if f.name not in ("gamma", "ttft"):
+                setattr(totals, f.name, getattr(totals, f.name) + value)
+    totals.gamma = stats.gamma
+
+
+def run_command(line: str, session, settings: Settings, convo, totals, note) -> bool:
+    """Handle a slash command; False means quit."""
+    name, _, arg = line[1:].strip().partition(" ")
+    name, arg = name.lower(), arg.strip()
+    if name in ("exit", "quit", "bye"):
+        return False
+    if name in ("help", "?"):
+        note(HELP, style=None)
+    elif name == "reset":
+        convo.clear()
+        session.reset()
+        note("conversation cleared (both KV caches emptied)")
+    elif name == "stats":
+        show_totals(session, convo, totals, note)
+    elif name == "set":
+        try:
+            change_setting(arg, settings, convo, note)
+        except SpecmlxError as e:
+            note(f"error: {e}", style="red")
+    elif name == "draft":
+        if arg not in ("on", "off"):
+            note("usage: /draft on|off", style="red")
+        elif session.draft is None:
+            note("no draft model loaded: start chat with --draft DIR", style="red")
+        else:
+            settings.draft_on = arg == "on"
+            note(f"speculative decoding {arg}")
+    else:
+        note(f"unknown command /{name}; /help lists them", style="red")
+    return True
+
+
+def change_setting(arg: str, settings: Settings, convo: Conversation, note) -> None:
+    """`/set NAME VALUE`, validated the same way as the command-line flags."""
+    from ..sampling import SamplingParams
+
+    if not arg:
+        shown = {
+            "temperature": settings.temperature,
+            "top_p": settings.top_p,
+            "top_k": settings.top_k,
+            "gamma": settings.gamma if settings.draft_on else f"{settings.gamma} (draft off)",
+            "max_tokens": settings.max_tokens,
+            "system": convo.system or "",
+        }
+        note("  ".join(f"{k}={v!r}" if k == "system" else f"{k}={v}" for k, v in shown.items()))
+        return
+    name, _, value = arg.partition(" ")
+    name, value = name.lower().replace("-", "_"), value.strip()
+    if name not in SETTING_NAMES:
+        raise SpecmlxError(f"cannot set {name!r}; settable: {', '.join(SETTING_NAMES)}")
+    if name == "system":
+        convo.system = value or None
+        note("system prompt " + ("set" if value else "cleared"))
+        return
+    if not value:
+        raise SpecmlxError(f"/set {name} needs a value")
+    if name == "gamma":
+        settings.gamma = options.parse_gamma(value)
+    else:
+        kind = float if name in ("temperature", "top_p") else int
+        try:
+            number = kind(value)
+        except ValueError:
+            raise SpecmlxError(f"/set {name}: {value!r} is not a {kind.__name__}") from None
+        changed = replace(settings, **{name: number})
+        SamplingParams(changed.temperature, changed.top_p, changed.top_k)  # raises if invalid
+        if changed.max_tokens < 1:
+            raise SpecmlxError(f"max_tokens must be >= 1, got {number}")
+        setattr(settings, name, number)
+    note(f"{name} = {getattr(settings, name)}")
+
+
+def show_totals(session, convo: Conversation, totals, note) -> None:
+    limit = session.target.config.get("max_position_embeddings")
+    lines = [
+        f"replies {totals.tokens} tokens in "
+        f"{totals.decode_time:.2f} s ({totals.decode_tps:.1f} tok/s)",
+        f"prefill {totals.prefill_tokens} of {totals.prompt_tokens} prompt tokens "
+        f"(the rest came from the KV cache)",
+        f"context {len(session.cached)}/{limit or '?'} tokens in the cache, "
+        f"{len(convo.messages) // 2} turns",
+    ]
+    if totals.drafted:
+        lines.append(
+            f"α {totals.acceptance:.2f} · τ {totals.tokens_per_pass:.2f} · "
+            f"verify/draft {totals.verify_time:.2f}/{totals.draft_time:.2f} s"
+        )
+    lines.append(report.memory_line())
+    for line in lines:
+        note(line, style=None)
+
+
+def read_message(ask: Callable[[str], str]) -> str:
+    """One message; a line starting with \"\"\" opens a multi-line one until \"\"\"."""
+    line = ask(">>> ")
+    if not line.lstrip().startswith('"""'):
+        return line.strip()
+    first = line.lstrip()[3:]
+    if first.rstrip().endswith('"""'):
+        return first.rstrip()[:-3].strip()
+    lines = [first]
+    while True:
+        more = ask("... ")
+        if more.rstrip().endswith('"""'):
+            lines.append(more.rstrip()[:-3])
+            return "\n".join(lines).strip()
+        lines.append(more)
+
+
+def terminal_input() -> Callable[[str], str]:
+    """input() with line editing and history, for a person at a terminal."""
+    try:
+        import readline  # noqa: F401  (importing it is what turns editing on)
+    except ImportError:  # pragma: no cover  (Windows)
+        pass
+    return input
+
+
+def piped_input(prompt: str) -> str:
+    """A line from a pipe: no prompt is echoed, and the end of input is EOF."""
+    line = sys.stdin.readline()
+    if not line:
+        raise EOFError
+    return line.rstrip("\n")
+
+
+@contextmanager
+def sigint_flag() -> Iterator[list]:
+    """During a reply, the first Ctrl-C asks to stop at the next token; a second one stops now.
+
+    Stopping between tokens leaves nothing half-done; the second press is for a long prefill.
+    """
+    hits: list = []
+
+    def on_sigint(signum, frame):
+        hits.append(signum)
+        if len(hits) > 1:
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield hits
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -1,0 +1,104 @@
+"""What `generate` and `chat` print about a run: cold start, models, memory, per-reply stats.
+
+Every number comes from Stats, the load timings or the allocator; nothing is re-derived here.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+from . import IMPORTED_AT
+
+
+def process_start() -> float:
+    """Wall-clock time at which this process started.
+
+    Linux: from /proc (10 ms resolution), so interpreter start-up is counted too.
+    Elsewhere: when the CLI package was imported, which misses only the interpreter.
+    """
+    try:
+        # Fields after "pid (comm)": index 19 is starttime, in clock ticks after boot.
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - (uptime - started)
+    except (OSError, ValueError, IndexError):
+        return IMPORTED_AT
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+def weight_bytes(model) -> int:
+    """Bytes the model's parameters occupy in memory (after the dtype policy)."""
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.module.parameters()))
+
+
+def memory() -> dict:
+    """Peak memory so far: MLX's allocator, and the process's maximum resident set."""
+    import mlx.core as mx
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {
+        "peak_mlx_bytes": mx.get_peak_memory(),
+        # ru_maxrss is in KB on Linux and in bytes on macOS
+        "max_rss_bytes": rss if sys.platform == "darwin" else rss * 1024,
+    }
+
+
+def memory_line() -> str:
+    mem = memory()
+    return (
+        f"peak memory {human_bytes(mem['peak_mlx_bytes'])} (MLX) · "
+        f"max RSS {human_bytes(mem['max_rss_bytes'])}"
+    )
+
+
+def startup_lines(target, draft, timings: dict, backend: str) -> list[str]:
+    """The start-up report: cold start and its parts, the model pair, backend, memory."""
+    t = timings
+    lines = [
+        f"ready in {t['cold_start_s']:.2f} s (interpreter {t['before_main_s']:.2f} · "
+        f"imports {t['import_s']:.2f} · weights {t['weights_s']:.2f} · "
+        f"tokenizer {t['tokenizer_s']:.2f}) on {backend}",
+        f"target {target.describe()} {human_bytes(weight_bytes(target))}",
+    ]
+    if draft is not None:
+        lines.append(f"draft  {draft.describe()} {human_bytes(weight_bytes(draft))}")
+    else:
+        lines.append("draft  none (plain decoding)")
+    lines.append(memory_line())
+    return lines
+
+
+def stats_line(stats) -> str:
+    """One line per reply: tokens, speed, TTFT, prefill, and the speculative numbers."""
+    parts = [
+        f"{stats.tokens} tokens",
+        f"{stats.decode_tps:.1f} tok/s",
+        f"TTFT {stats.ttft:.2f} s",
+        f"prefill {stats.prefill_tokens}/{stats.prompt_tokens} tok",
+    ]
+    if stats.drafted:
+        parts += [
+            f"α {stats.acceptance:.2f}",
+            f"τ {stats.tokens_per_pass:.2f}",
+            f"γ {stats.gamma}",
+            f"verify/draft {stats.verify_time:.2f}/{stats.draft_time:.2f} s",
+        ]
+    else:
+        parts.append("no draft")
+    if stats.finish_reason == "length":
+        parts.append("hit max tokens")
+    return " · ".join(parts)
