@@ -83,12 +83,18 @@ class Prompt:
 class Mode:
     engine: str  # "specmlx" | "mlx-lm"
     gamma: int | str  # draft tokens per round; 0 = the target alone; "auto" = specmlx decides
+    draft_mode: str = "model"  # specmlx: "model" | "lookup" (prompt n-grams) | "auto"
+
+    @property
+    def family(self) -> str:
+        """The mode without its γ: 'specmlx', 'specmlx/lookup', 'mlx-lm'."""
+        return self.engine if self.draft_mode == "model" else f"{self.engine}/{self.draft_mode}"
 
     @property
     def name(self) -> str:
         if self.engine == "specmlx" and self.gamma == 0:
             return "target"
-        return f"{self.engine}:{self.gamma}"
+        return f"{self.family}:{self.gamma}"
 
     @property
     def speculative(self) -> bool:
@@ -108,6 +114,7 @@ class RunRecord:
     mode: str
     engine: str
     gamma: int | str
+    family: str
     order: int  # position in the run's timeline
     prompt_tokens: int
     tokens: int  # emitted, EOS excluded
@@ -266,6 +273,25 @@ def supports_auto() -> bool:
     return param.default == "auto" or "str" in str(param.annotation)
 
 
+def draft_modes_available() -> list[str]:
+    """The draft modes specmlx.generate offers: always "model"; "lookup"/"auto" once added."""
+    from . import speculative
+
+    if "draft_mode" not in inspect.signature(speculative.generate).parameters:
+        return ["model"]
+    return list(getattr(speculative, "DRAFT_MODES", ["model"]))
+
+
+def parse_draft_modes(text: str, available: list[str]) -> list[str]:
+    modes = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    unknown = [m for m in modes if m not in available]
+    if unknown or not modes:
+        raise SpecmlxError(
+            f"--draft-mode takes {', '.join(available)} (comma-separated), got {text!r}"
+        )
+    return modes
+
+
 def parse_gammas(text: str, auto_available: bool) -> list[int | str]:
     """'1,2,4,6' or 'auto,4' -> [1, 2, 4, 6] / ['auto', 4]; γ = 0 is the target alone."""
     gammas: list[int | str] = []
@@ -306,10 +332,16 @@ def parse_temperatures(text: str) -> list[float]:
 
 
 def build_modes(
-    gammas: list[int | str], mlx_lm: bool = True, mlx_lm_target: bool = False
+    gammas: list[int | str],
+    mlx_lm: bool = True,
+    mlx_lm_target: bool = False,
+    draft_modes: Iterable[str] = ("model",),
 ) -> list[Mode]:
-    """The target alone, specmlx at each γ, and mlx-lm at each integer γ (it has no auto)."""
-    modes = [TARGET] + [Mode("specmlx", g) for g in gammas]
+    """The target alone, specmlx at each draft mode and γ, mlx-lm at each integer γ.
+
+    mlx-lm has neither an automatic γ nor prompt lookup, so it runs fixed γ, model draft.
+    """
+    modes = [TARGET] + [Mode("specmlx", g, d) for d in draft_modes for g in gammas]
     if mlx_lm_target:
         modes.append(Mode("mlx-lm", 0))
     if mlx_lm:
@@ -364,7 +396,11 @@ def run_specmlx(
 
     mx.reset_peak_memory()
     start = time.perf_counter()
-    kwargs = {"draft": draft, "num_draft": mode.gamma} if mode.speculative else {}
+    kwargs: dict = {"num_draft": mode.gamma}
+    if mode.draft_mode != "model":
+        kwargs["draft_mode"] = mode.draft_mode
+    if mode.speculative and mode.draft_mode != "lookup":  # lookup needs no draft model
+        kwargs["draft"] = draft
     gen = generate(
         target, ids, max_tokens=max_tokens, temperature=temperature, seed=seed, **kwargs
     ).run()
@@ -377,6 +413,7 @@ def run_specmlx(
         mode=mode.name,
         engine=mode.engine,
         gamma=mode.gamma,
+        family=mode.family,
         order=-1,
         prompt_tokens=s.prompt_tokens,
         tokens=s.tokens,
@@ -496,6 +533,7 @@ def run_mlx_lm(
         mode=mode.name,
         engine=mode.engine,
         gamma=mode.gamma,
+        family=mode.family,
         order=-1,
         prompt_tokens=len(ids),
         tokens=len(tokens),
@@ -554,6 +592,13 @@ def pairwise_ratios(records: list[RunRecord], metric: str = "decode_tps") -> dic
     return ratios
 
 
+def _merge_counts(counts: Iterable[dict | None]) -> dict | None:
+    merged: Counter = Counter()
+    for c in counts:
+        merged.update({str(k): v for k, v in (c or {}).items()})
+    return dict(sorted(merged.items(), key=lambda kv: int(kv[0]))) if merged else None
+
+
 def _ratio(a: float, b: float) -> float | None:
     return a / b if b else None
 
@@ -590,6 +635,7 @@ def summarize(records: list[RunRecord]) -> list[dict]:
             {
                 "mode": mode,
                 "engine": rs[0].engine,
+                "family": rs[0].family,
                 "gamma": rs[0].gamma,
                 "temperature": temp,
                 "category": category,
@@ -618,6 +664,10 @@ def summarize(records: list[RunRecord]) -> list[dict]:
                 "rss_bytes": max(r.rss_bytes for r in rs),
                 "greedy_checked": len(greedy),
                 "greedy_divergent": sum(not r.matches_target for r in greedy),
+                # the γ specmlx actually used, round by round (telling for γ = auto)
+                "rounds_by_gamma": _merge_counts(
+                    (r.engine_stats or {}).get("rounds_by_gamma") for r in rs
+                ),
             }
         )
     return rows
@@ -859,6 +909,9 @@ def run_bench(
 # ---------------------------------------------------------------- plot
 
 
+STYLES = [("-", "o"), ("--", "x"), (":", "s"), ("-.", "^")]
+
+
 def plot(result: dict, path: Path) -> None:
     """Speedup vs γ per category and τ vs γ, specmlx solid, mlx-lm dashed; a row per T."""
     try:
@@ -879,17 +932,20 @@ def plot(result: dict, path: Path) -> None:
     if any(r["gamma"] == "auto" for r in rows):
         xpos["auto"] = (max(ints) if ints else 0) + 1  # drawn right of the fixed γs
     categories = sorted({r["category"] for r in rows} - {"all"}) + ["all"]
+    # specmlx first, mlx-lm second, then other draft modes, each in its own line style
+    families = sorted({r["family"] for r in rows}, key=lambda f: (f != "specmlx", f != "mlx-lm", f))
     tab20 = plt.get_cmap("tab20")
     # tab20 pairs a dark and a light shade; all dark shades first keeps neighbours distinct
     palette = [tab20(i) for i in [*range(0, 20, 2), *range(1, 20, 2)]]
     fig, axes = plt.subplots(len(temps), 2, figsize=(12, 4 * len(temps)), squeeze=False)
     for row, temp in zip(axes, temps, strict=True):
         for ci, category in enumerate(categories):
-            for engine, style, marker in (("specmlx", "-", "o"), ("mlx-lm", "--", "x")):
+            for fi, family in enumerate(families):
+                style, marker = STYLES[fi % len(STYLES)]
                 pts = sorted(
                     (xpos[r["gamma"]], r["speedup_median"], r["tau"])
                     for r in rows
-                    if r["engine"] == engine
+                    if r["family"] == family
                     and r["category"] == category
                     and r["temperature"] == temp
                 )
@@ -901,7 +957,7 @@ def plot(result: dict, path: Path) -> None:
                     "marker": marker,
                     "color": "black" if is_all else palette[ci % 20],
                     "linewidth": 2.5 if is_all else 1,
-                    "label": f"{engine} {category}",
+                    "label": f"{family} {category}",
                 }
                 xs = [p[0] for p in pts]
                 row[0].plot(xs, [p[1] for p in pts], **kw)

@@ -23,6 +23,7 @@ def record(prompt_id: str, mode: str, tokens: int, decode_s: float, **kw) -> Run
         mode=mode,
         engine="specmlx" if mode == "target" else mode.split(":")[0],
         gamma=gamma,
+        family="specmlx" if mode == "target" else mode.split(":")[0],
         order=0,
         prompt_tokens=10,
         tokens=tokens,
@@ -142,6 +143,11 @@ def test_gamma_and_temperature_parsing():
         "mlx-lm:0",
         "mlx-lm:2",
     ]
+    modes = bench.build_modes([3], mlx_lm=False, draft_modes=["model", "lookup"])
+    assert [m.name for m in modes] == ["target", "specmlx:3", "specmlx/lookup:3"]
+    assert bench.parse_draft_modes("model, lookup", ["model", "lookup"]) == ["model", "lookup"]
+    with pytest.raises(SpecmlxError, match="--draft-mode"):
+        bench.parse_draft_modes("lookup", ["model"])
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +172,8 @@ def test_bench_end_to_end_json(bench_run, capsys):
     assert machine["backend"] == "cpu" and machine["mlx"] and machine["mlx_lm"] and machine["cpu"]
     assert set(machine["blas"]) == {"active", "mapped"}
     assert result["models"]["target"]["dtype"] == "float32"
-    modes = ["target", "specmlx:1", "specmlx:3", "mlx-lm:1", "mlx-lm:3"]
+    auto = ["specmlx:auto"] if bench.supports_auto() else []  # added when the engine has it
+    modes = ["target", *auto, "specmlx:1", "specmlx:3", "mlx-lm:1", "mlx-lm:3"]
     assert result["settings"]["modes"] == modes
     runs = result["runs"]
     assert len(runs) == 2 * 2 * len(modes)
@@ -175,7 +182,7 @@ def test_bench_end_to_end_json(bench_run, capsys):
         assert r["tokens"] == len(r["token_ids"]) <= 12
         assert r["decode_s"] > 0 and r["prefill_s"] > 0 and r["ttft_s"] > 0
         assert r["peak_memory_bytes"] > 0 and r["rss_bytes"] > 0
-        if r["gamma"]:
+        if isinstance(r["gamma"], int) and r["gamma"]:  # auto may well choose not to draft
             assert r["drafted"] > 0 and 0 <= r["alpha"] <= 1 and r["tau"] >= 1
     # specmlx is lossless: greedy speculative tokens equal the target alone's, always
     greedy = [r for r in runs if r["temperature"] == 0 and r["engine"] == "specmlx"]
@@ -188,7 +195,9 @@ def test_bench_end_to_end_json(bench_run, capsys):
                     r["mode"] == mode and r["temperature"] == temp and r["category"] == category
                     for r in rows
                 )
-    assert "--gamma 1,3" in result["command"] and "--prompts 2" in result["command"]
+    gammas = ",".join([*(["auto"] if auto else []), "1", "3"])
+    assert f"--gamma {gammas} " in result["command"]
+    assert "--prompts 2" in result["command"]
 
 
 def test_greedy_check_catches_a_planted_divergence(bench_run):

@@ -107,6 +107,10 @@ def render(result: dict, console: Console) -> None:
                 by_cat.add_row(category, str(n), *cells)
             console.print(by_cat)
 
+    for row in rows:
+        if row["gamma"] == "auto" and row["category"] == "all" and row["rounds_by_gamma"]:
+            used = ", ".join(f"γ={g}: {n}" for g, n in row["rounds_by_gamma"].items())
+            console.print(f"{row['mode']} at T={row['temperature']:g}, rounds by γ: {used}")
     divergent = [r for r in result["runs"] if r["matches_target"] is False]
     for r in divergent:
         console.print(
@@ -144,6 +148,11 @@ def bench(
     ),
     temperature: str = typer.Option(
         None, "--temperature", "-t", help="Comma-separated temperatures (default 0,0.7,1.0)."
+    ),
+    draft_mode: str = typer.Option(
+        "model",
+        "--draft-mode",
+        help="Comma-separated specmlx draft modes: model, lookup, auto (where available).",
     ),
     categories: str = typer.Option(
         None, "--categories", "-c", help="Comma-separated categories; 'mt-bench' = its eight."
@@ -186,6 +195,7 @@ def bench(
     gammas = lib.parse_gammas(gamma, auto)
     if auto and "auto" not in gammas and "auto" not in gamma:
         gammas = ["auto", *gammas]  # the default policy is always worth seeing
+    draft_modes = lib.parse_draft_modes(draft_mode, lib.draft_modes_available())
     temps = lib.parse_temperatures(
         temperature or preset.get("temperature") or DEFAULTS["temperature"]
     )
@@ -213,7 +223,9 @@ def bench(
     load_s = time.perf_counter() - t_load
     if drafter is None:
         raise options.SpecmlxError("bench needs a draft model: pass --draft")
-    modes = lib.build_modes(gammas, mlx_lm=mlx_lm, mlx_lm_target=mlx_lm_target)
+    modes = lib.build_modes(
+        gammas, mlx_lm=mlx_lm, mlx_lm_target=mlx_lm_target, draft_modes=draft_modes
+    )
     runs = len(chosen) * len(temps) * len(modes)
     log(
         f"{len(chosen)} prompts × {len(temps)} temperatures × {len(modes)} modes = {runs} runs "
@@ -262,6 +274,7 @@ def bench(
         "specmlx bench",
         f"--model {target.path} --draft {drafter.path} --dtype {dtype}",
         f"--gamma {','.join(str(g) for g in gammas)}",
+        f"--draft-mode {','.join(draft_modes)}" if draft_modes != ["model"] else "",
         f"--temperature {','.join(f'{t:g}' for t in temps)}",
         f"--split {split}",
         f"--categories {categories}" if categories else "",
