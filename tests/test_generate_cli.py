@@ -1,0 +1,107 @@
+"""`specmlx generate` as a user runs it: a subprocess, its JSON, its errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+
+def specmlx(*args: str, tmp_home, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "SPECMLX_HOME": str(tmp_home)}
+    return subprocess.run(
+        [sys.executable, "-m", "specmlx", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    return tmp_path_factory.mktemp("specmlx-home")
+
+
+@pytest.fixture(scope="module")
+def pair(model_dirs) -> list[str]:
+    return ["--model", str(model_dirs["target"]), "--draft", str(model_dirs["perturbed"])]
+
+
+@pytest.fixture(scope="module")
+def other_tokenizer_draft(model_dirs, tmp_path_factory):
+    """A copy of the draft whose tokenizer gives two tokens each other's ids."""
+    path = tmp_path_factory.mktemp("other-tokenizer") / "draft"
+    shutil.copytree(model_dirs["perturbed"], path)
+    tokenizer = json.loads((path / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    a, b = "a", "b"
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return path
+
+
+def test_json_schema_and_same_seed_same_output(pair, home):
+    args = ["generate", *pair, "-p", "hello", "-n", "8", "--temperature", "0.8", "--seed", "3"]
+    first = specmlx(*args, "--json", tmp_home=home)
+    assert first.returncode == 0, first.stderr
+    out = json.loads(first.stdout)
+    assert set(out) >= {"text", "tokens", "model", "draft", "settings", "stats", "timings"}
+    assert set(out["settings"]) >= {"max_tokens", "temperature", "top_p", "top_k", "gamma", "seed"}
+    assert set(out["stats"]) >= {"tokens", "prompt_tokens", "prefill_tokens", "acceptance", "ttft"}
+    cold = ["cold_start_s", "interpreter_s", "import_s", "tokenizer_s", "weights_s"]
+    timings = out["timings"]
+    assert set(timings) >= {"load_s", "ttft_s", "first_forward_s", "first_token_s", *cold}
+    assert all(timings[k] >= 0 for k in cold)
+    assert timings["cold_start_s"] >= timings["import_s"] + timings["weights_s"]
+    assert timings["first_token_s"] >= timings["cold_start_s"]
+    assert out["memory"]["peak_mlx_bytes"] > 0 and out["memory"]["max_rss_bytes"] > 0
+    assert 1 <= len(out["tokens"]) <= 8 or out["stats"]["finish_reason"] == "eos"
+
+    again = json.loads(specmlx(*args, "--json", tmp_home=home).stdout)
+    assert again["tokens"] == out["tokens"] and again["text"] == out["text"]
+
+
+def test_text_mode_reports_cold_start_and_stats(pair, home):
+    run = specmlx("generate", *pair, "-p", "hi", "-n", "4", "--gamma", "auto", tmp_home=home)
+    assert run.returncode == 0, run.stderr
+    assert "ready in" in run.stderr and "imports" in run.stderr
+    assert "tok/s" in run.stderr and "TTFT" in run.stderr and "peak memory" in run.stderr
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--gamma", "-1"],
+        ["--gamma", "many"],
+        ["--temperature", "-0.5"],
+        ["--top-p", "0"],
+        ["--top-p", "1.5"],
+        ["--max-tokens", "0"],
+    ],
+)
+def test_bad_flag_is_one_line_and_fails(flags, pair, home):
+    run = specmlx("generate", *pair, "-p", "hi", *flags, tmp_home=home)
+    assert run.returncode != 0
+    assert run.stderr.startswith("error: ") and run.stderr.count("\n") == 1, run.stderr
+
+
+def test_missing_model_path(home, tmp_path):
+    run = specmlx("generate", "--model", str(tmp_path / "nope"), "-p", "hi", tmp_home=home)
+    assert run.returncode != 0
+    assert run.stderr.startswith("error: model not found") and run.stderr.count("\n") == 1
+
+
+def test_draft_with_other_tokenizer(model_dirs, other_tokenizer_draft, home):
+    run = specmlx(
+        "generate",
+        *["--model", str(model_dirs["target"]), "--draft", str(other_tokenizer_draft)],
+        *["-p", "hi"],
+        tmp_home=home,
+    )
+    assert run.returncode != 0
+    assert "different tokenizer" in run.stderr and run.stderr.count("\n") == 1, run.stderr
