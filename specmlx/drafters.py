@@ -63,20 +63,29 @@ class ModelDrafter:
         self.cache = make_prompt_cache(model.module)
         self.cached: list[int] = []  # tokens whose KV entries are in the cache
         self.pending: list[int] = []  # emitted tokens not yet fed to the draft
+        self.fed = 0
 
-    def prefill(self, tokens: list[int]) -> int:
-        """Hold tokens[:-1] in the cache; the last one is fed with the first proposal."""
-        processed = sync_cache(self.model, self.cache, self.cached, tokens[:-1])
-        self.pending = tokens[-1:]
-        return processed
+    def prefill(self, tokens: list[int]) -> None:
+        """Line the cache up with `tokens`; what it lacks is fed lazily, at the first
+        proposal, so a call that never drafts (auto γ = 0) never pays for it."""
+        offset = self.cache[0].offset if self.cache else len(self.cached)
+        if offset > len(self.cached):  # an interrupted round left entries behind
+            trim_prompt_cache(self.cache, offset - len(self.cached))
+        keep = common_prefix(self.cached, tokens[:-1])
+        trim_prompt_cache(self.cache, len(self.cached) - keep)
+        del self.cached[keep:]
+        self.pending = tokens[keep:]
 
     def propose(self, g: int, key: mx.array, draw) -> tuple[mx.array, mx.array]:
         """(g,) tokens and their (g, V) distributions, lazily (nothing is synced here).
 
         `draw(logits, key) -> (probs, token)` is the compiled sampler for this call.
         """
+        self.fed = len(self.pending) + g - 1  # tokens this proposal runs through the draft
+        backlog, self.pending = self.pending[:-1], self.pending[-1:]
+        prefill(self.model, self.cache, backlog)
+        self.cached += backlog + self.pending
         x = mx.array(self.pending, mx.uint32)
-        self.cached += self.pending
         tokens, qs = [], []
         for k in mx.random.split(key, g):
             logits = self.model.module(x[None], cache=self.cache)[:, -1, :]
@@ -100,3 +109,35 @@ class ModelDrafter:
             trim_prompt_cache(self.cache, g - 1 - n)
             del self.cached[len(self.cached) - (g - 1 - n) :]
             self.pending = emitted[-1:]
+
+
+class LookupDrafter:
+    """Prompt lookup: propose what followed the previous occurrence of the last n-gram.
+
+    Free to run and often right on summarisation, extraction and code edits, where the
+    output copies the prompt. Its q is a point mass, so exactness holds unchanged:
+    accept with probability p(x), else resample from p with x removed.
+    """
+
+    def __init__(self, tokens: list[int], max_ngram: int = 3):
+        self.history = list(tokens)
+        self.max_ngram = max_ngram
+
+    def find(self, g: int) -> list[int]:
+        """Up to g tokens that followed the most recent earlier match of the longest suffix."""
+        h = self.history
+        for n in range(min(self.max_ngram, len(h) - 1), 0, -1):
+            tail = h[-n:]
+            for start in range(len(h) - n - 1, -1, -1):
+                if h[start : start + n] == tail:
+                    return h[start + n : start + n + g]
+        return []
+
+    def extend(self, emitted: list[int]) -> None:
+        self.history += emitted
+
+
+def point_mass(tokens: list[int], vocab_size: int) -> tuple[mx.array, mx.array]:
+    """Draft tokens and their one-hot q, for drafts that are guesses rather than samples."""
+    drafts = mx.array(tokens, mx.uint32)
+    return drafts, (mx.arange(vocab_size)[None] == drafts[:, None]).astype(mx.float32)

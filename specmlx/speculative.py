@@ -16,10 +16,11 @@ from dataclasses import asdict, dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from .drafters import ModelDrafter, sync_cache
+from .drafters import LookupDrafter, ModelDrafter, point_mass, sync_cache
 from .errors import SpecmlxError
-from .loading import Model, check_pair
+from .loading import Model, backend, check_pair
 from .sampling import SamplingParams
+from .schedule import Scheduler, load_costs, save_costs
 from .verify import make_sampler, make_verifier
 
 
@@ -38,7 +39,11 @@ class Stats:
     target_passes: int = 0  # target forward passes after prefill
     drafted: int = 0
     accepted: int = 0
-    gamma: int | str = 0
+    gamma: int | str = 0  # as asked: an int, or "auto"
+    draft_mode: str = "model"
+    rounds_by_gamma: dict[int, int] = field(default_factory=dict)  # the γ actually used
+    rounds_by_source: dict[str, int] = field(default_factory=dict)  # model/lookup/probe/plain
+    predicted_tps: float = 0.0  # the cost model's forecast for its last choice (auto only)
     prefill_time: float = 0.0  # both models' prompt processing, seconds
     draft_time: float = 0.0
     verify_time: float = 0.0
@@ -92,6 +97,9 @@ def encode_prompt(model: Model, prompt: str | list[int]) -> list[int]:
     return ids
 
 
+DRAFT_MODES = ("model", "lookup", "auto")
+
+
 class Session:
     """Both models' KV caches, kept across generate() calls.
 
@@ -100,14 +108,37 @@ class Session:
     An interrupted call leaves the caches consistent for the next one.
     """
 
-    def __init__(self, target: Model, draft: Model | None = None):
+    def __init__(self, target: Model, draft: Model | None = None, max_gamma: int = 8):
         if draft is not None:
             check_pair(target, draft)
         self.target = target
         self.draft = draft
+        self.max_gamma = max_gamma
         self.cache = make_prompt_cache(target.module)
         self.cached: list[int] = []  # tokens whose KV entries are in the target cache
         self.drafter = ModelDrafter(draft) if draft is not None else None
+        self._schedulers: dict[str, Scheduler] = {}
+
+    @property
+    def cost_key(self) -> str:
+        """Costs depend on both models, their dtype and the backend (and its kernels)."""
+        draft = f"{self.draft.path}:{self.draft.dtype}" if self.draft else "-"
+        kernels = self.target.info.get("kernels", "mlx")
+        return f"{self.target.path}:{self.target.dtype}|{draft}|{backend()}|{kernels}"
+
+    def scheduler(self, source: str) -> Scheduler:
+        """The γ policy for a draft source; both share one measured target cost curve."""
+        if not self._schedulers:
+            costs = load_costs(self.cost_key)
+            self._schedulers = {
+                "model": Scheduler(costs, self.max_gamma),
+                "lookup": Scheduler(costs, self.max_gamma, free_drafts=True),
+            }
+        return self._schedulers[source]
+
+    def save_costs(self) -> None:
+        if self._schedulers:
+            save_costs(self.cost_key, self._schedulers["model"].costs)
 
     @property
     def vocab_size(self) -> int:
@@ -156,7 +187,8 @@ def generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
-    num_draft: int = 4,
+    num_draft: int | str = "auto",
+    draft_mode: str = "model",
     seed: int = 0,
     session: Session | None = None,
 ) -> Generation:
@@ -166,12 +198,25 @@ def generate(
     top-k, top-p); at temperature 0 the tokens equal the target's own greedy tokens.
     Iterate the result for Steps; its `.stats` holds the run's statistics. With a
     `session`, caches persist across calls (its draft is used unless num_draft is 0).
+
+    num_draft: γ, an int, or "auto" to pick it each round from measured costs and
+    acceptance (never slower than plain decoding by more than the probes it takes).
+    draft_mode: "model" (the draft model), "lookup" (prompt n-gram lookup, no draft
+    model needed) or "auto" (lookup when the context has a match, else the model).
     """
     params = SamplingParams(temperature, top_p, top_k)
     if max_tokens < 1:
         raise SpecmlxError(f"max_tokens must be >= 1, got {max_tokens}")
-    if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 0:
-        raise SpecmlxError(f"num_draft (gamma) must be an integer >= 0, got {num_draft!r}")
+    if num_draft != "auto" and (
+        isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 0
+    ):
+        raise SpecmlxError(
+            f"num_draft (gamma) must be 'auto' or an integer >= 0, got {num_draft!r}"
+        )
+    if draft_mode not in DRAFT_MODES:
+        raise SpecmlxError(
+            f"draft mode must be one of {', '.join(DRAFT_MODES)}, got {draft_mode!r}"
+        )
     if session is None:
         session = Session(target, draft)
     elif session.target is not target or (draft is not None and session.draft is not draft):
@@ -179,7 +224,7 @@ def generate(
     ids = encode_prompt(target, prompt)
 
     def steps(gen: Generation) -> Iterator[Step]:
-        yield from _decode(session, ids, params, max_tokens, num_draft, seed, gen)
+        yield from _decode(session, ids, params, max_tokens, num_draft, draft_mode, seed, gen)
 
     return Generation(steps)
 
@@ -189,20 +234,24 @@ def _decode(
     ids: list[int],
     params: SamplingParams,
     max_tokens: int,
-    gamma: int,
+    gamma: int | str,
+    draft_mode: str,
     seed: int,
     gen: Generation,
 ) -> Iterator[Step]:
     target, cache, cached = session.target, session.cache, session.cached
-    drafter = session.drafter if gamma > 0 else None
+    model_drafter = session.drafter if draft_mode != "lookup" else None
+    lookup = LookupDrafter(ids) if draft_mode != "model" else None
+    speculate = gamma != 0 and (model_drafter is not None or lookup is not None)
     vocab = session.vocab_size
     stats = gen.stats
-    stats.gamma = gamma if drafter else 0
+    stats.gamma = gamma if speculate else 0
+    stats.draft_mode = draft_mode
     stats.prompt_tokens = len(ids)
     start = time.perf_counter()
     stats.prefill_tokens = sync_cache(target, cache, cached, ids[:-1])
-    if drafter is not None:
-        drafter.prefill(ids)
+    if model_drafter is not None and speculate:
+        model_drafter.prefill(ids)
     stats.prefill_time = time.perf_counter() - start
     verify = make_verifier(params, vocab)
     draw = make_sampler(params, vocab)
@@ -215,12 +264,17 @@ def _decode(
 
     while stats.tokens < max_tokens:
         key, round_key = mx.random.split(key)
-        # Never draft past max_tokens: a fully accepted round emits g + 1 tokens.
-        g = min(gamma, max_tokens - stats.tokens - 1) if drafter is not None else 0
         t0 = time.perf_counter()
+        source, g, scheduler = _plan_round(session, gamma, model_drafter, lookup, stats)
+        # Never draft past max_tokens: a fully accepted round emits g + 1 tokens.
+        g = min(g, max_tokens - stats.tokens - 1) if speculate else 0
         if g > 0:
             draft_key, verify_key = mx.random.split(round_key)
-            draft_tokens, q = drafter.propose(g, draft_key, draw)
+            if source == "model":
+                draft_tokens, q = model_drafter.propose(g, draft_key, draw)
+            else:  # lookup, or a cost probe's free guesses (the last token repeated)
+                guesses = lookup.find(g) if lookup is not None else []
+                draft_tokens, q = point_mass((guesses + [last] * g)[:g], vocab)
             mx.eval(draft_tokens, q)
             t1 = time.perf_counter()
             x = mx.concatenate([mx.array([last], mx.uint32), draft_tokens])
@@ -235,18 +289,27 @@ def _decode(
             stats.accepted += n
             _count_positions(stats, g, n)
         else:
-            t1 = t0
+            source, t1 = "plain", t0
             logits = target.module(mx.array([[last]], mx.uint32), cache=cache)[0, -1:]
             _, token = draw(logits, round_key)
             n, token, drafts = 0, token.item(), []
-        stats.verify_time += time.perf_counter() - t1
+        t2 = time.perf_counter()
+        stats.verify_time += t2 - t1
         stats.target_passes += 1
+        stats.rounds_by_gamma[g] = stats.rounds_by_gamma.get(g, 0) + 1
+        stats.rounds_by_source[source] = stats.rounds_by_source.get(source, 0) + 1
+        if scheduler is not None:
+            fed = model_drafter.fed if source == "model" else g
+            draft_s = None if source == "probe" else t1 - t0
+            scheduler.record(g, n, t2 - t1, draft_s, fed)
         cached += [last] + drafts[:n]
         block = drafts[:n] + [token]
-        if drafter is not None:
-            drafter.rollback(g, n, drafts, block)
+        if model_drafter is not None and source == "model":
+            model_drafter.rollback(g, n, drafts, block)
         elif session.drafter is not None:
-            session.drafter.pending += block  # drafting is off; it catches up later
+            session.drafter.pending += block  # the draft model sat out: it catches up later
+        if lookup is not None:
+            lookup.extend(block)
         last = token
         for i, t in enumerate(block):
             if t in eos:
@@ -265,10 +328,42 @@ def _decode(
         if stats.finish_reason:
             break
     stats.finish_reason = stats.finish_reason or "length"
+    if gamma == "auto":
+        session.save_costs()
     if stats.finish_reason == "eos" and block[0] in eos:
         # EOS opened a round: the previous token was yielded before we knew it was last.
         detok.finalize()
         gen.text += detok.last_segment
+
+
+def _plan_round(
+    session: Session,
+    gamma: int | str,
+    model_drafter: ModelDrafter | None,
+    lookup: LookupDrafter | None,
+    stats: Stats,
+) -> tuple[str, int, Scheduler | None]:
+    """Which drafts to use this round, how many, and the scheduler that learns from it."""
+    lookup_found = lookup is not None and bool(lookup.find(1))
+    if lookup is not None and (model_drafter is None or lookup_found):
+        source = "lookup"
+    elif model_drafter is not None:
+        source = "model"
+    else:
+        return "plain", 0, None
+    if gamma != "auto":
+        g = gamma
+        if source == "lookup":
+            g = len(lookup.find(gamma))  # propose only what the context offers
+        return source, g, None
+    scheduler = session.scheduler(source)
+    choice = scheduler.choose()
+    stats.predicted_tps = choice.predicted_tps
+    if choice.cost_probe:
+        source = "probe"
+    elif source == "lookup":
+        return source, len(lookup.find(choice.gamma)), scheduler
+    return source, choice.gamma, scheduler
 
 
 def _count_positions(stats: Stats, g: int, n: int) -> None:

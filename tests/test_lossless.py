@@ -29,28 +29,34 @@ PROMPT = [5, 17, 42, 99]
 SETTINGS = {"T=1.0": dict(temperature=1.0), "T=0.7,top-p=0.9": dict(temperature=0.7, top_p=0.9)}
 
 
-def exact_joint(target, settings) -> np.ndarray:
+def exact_joint(target, settings, prompt=PROMPT) -> np.ndarray:
     """P(first = a, second = b) under the target alone, as a (V, V) array."""
     params = SamplingParams(**settings)
     v = target.vocab_size
-    p1 = probabilities(target.module(mx.array([PROMPT]))[0, -1, :v], params)
+    p1 = probabilities(target.module(mx.array([prompt]))[0, -1, :v], params)
     batch = mx.concatenate(
-        [mx.broadcast_to(mx.array(PROMPT), (v, len(PROMPT))), mx.arange(v)[:, None]], 1
+        [mx.broadcast_to(mx.array(prompt), (v, len(prompt))), mx.arange(v)[:, None]], 1
     )
     p2 = probabilities(target.module(batch)[:, -1, :v], params)
     return np.array(p1[:, None] * p2)
 
 
-def sampled_pairs(target, draft, settings, gamma=2) -> np.ndarray:
+def sampled_pairs(target, draft, settings, gamma=2, prompt=PROMPT, **kw) -> np.ndarray:
     counts = np.zeros((target.vocab_size, target.vocab_size))
+    session = specmlx.Session(target, draft)
     for seed in range(S):
-        a, b = (
-            specmlx.generate(
-                target, PROMPT, draft=draft, num_draft=gamma, max_tokens=2, seed=seed, **settings
-            )
-            .run()
-            .tokens
+        gen = specmlx.generate(
+            target,
+            prompt,
+            draft=draft,
+            num_draft=gamma,
+            max_tokens=2,
+            seed=seed,
+            session=session,
+            **settings,
+            **kw,
         )
+        a, b = gen.run().tokens
         counts[a, b] += 1
     return counts
 
@@ -79,6 +85,13 @@ def test_first_two_tokens_follow_the_target_distribution(no_eos, draft, setting)
     target = no_eos["target"]
     counts = sampled_pairs(target, no_eos[draft], SETTINGS[setting])
     assert chi_square_pvalue(counts, exact_joint(target, SETTINGS[setting])) > ALPHA
+
+
+def test_prompt_lookup_drafts_keep_the_target_distribution(no_eos):
+    # [5, 17] recurs, so lookup proposes [42, 5, ...] as point-mass drafts each round.
+    target, settings, prompt = no_eos["target"], SETTINGS["T=1.0"], [5, 17, 42, 5, 17]
+    counts = sampled_pairs(target, None, settings, prompt=prompt, draft_mode="lookup")
+    assert chi_square_pvalue(counts, exact_joint(target, settings, prompt)) > ALPHA
 
 
 def test_the_check_rejects_a_sampler_that_trusts_the_draft(no_eos, monkeypatch):

@@ -115,8 +115,9 @@ def test_max_tokens_is_exact_even_mid_block(no_eos, max_tokens):
 
 
 def test_same_seed_same_sample_other_seed_other_sample(no_eos):
+    # With a fixed γ; auto γ follows measured timings, so only its distribution repeats.
     target, draft = no_eos["target"], no_eos["perturbed"]
-    kw = dict(draft=draft, max_tokens=40, temperature=1.0)
+    kw = dict(draft=draft, num_draft=3, max_tokens=40, temperature=1.0)
     assert tokens(target, seed=5, **kw) == tokens(target, seed=5, **kw)
     assert tokens(target, seed=5, **kw) != tokens(target, seed=6, **kw)
 
@@ -187,3 +188,30 @@ def test_prompt_as_token_ids_equals_prompt_as_text(no_eos):
 def test_bad_arguments_raise_a_user_error(models, kwargs):
     with pytest.raises(SpecmlxError):
         specmlx.generate(models["target"], PROMPT, draft=models["perturbed"], **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["lookup", "auto"])
+@pytest.mark.parametrize("gamma", [3, "auto"])
+def test_greedy_with_prompt_lookup_equals_greedy_target(no_eos, mode, gamma):
+    target = no_eos["target"]
+    prompt = "for i in range(10): print(i)\n" * 3 + "for i in"
+    baseline = specmlx.generate(target, prompt, max_tokens=60).run().tokens
+    gen = specmlx.generate(
+        target, prompt, draft=no_eos["perturbed"], draft_mode=mode, num_draft=gamma, max_tokens=60
+    ).run()
+    assert gen.tokens == baseline
+
+
+def test_greedy_with_auto_gamma_equals_greedy_target(no_eos):
+    baseline = tokens(no_eos["target"], max_tokens=80)
+    gen = specmlx.generate(no_eos["target"], PROMPT, draft=no_eos["perturbed"], max_tokens=80)
+    assert gen.run().tokens == baseline
+    assert sum(gen.stats.rounds_by_gamma.values()) == gen.stats.target_passes
+
+
+def test_lookup_proposes_what_followed_the_last_match():
+    from specmlx.drafters import LookupDrafter
+
+    drafter = LookupDrafter([1, 2, 3, 4, 5, 9, 2, 3])
+    assert drafter.find(2) == [4, 5]  # the 2-gram [2, 3] was followed by 4, 5
+    assert LookupDrafter([1, 2, 3]).find(4) == []
