@@ -7,6 +7,7 @@ activation precision that is fast on the backend at hand.
 
 from __future__ import annotations
 
+import filecmp
 import json
 import time
 from dataclasses import dataclass, field
@@ -130,12 +131,19 @@ def cast_floating(module: nn.Module, dtype: str) -> None:
 
 
 def load(
-    path_or_repo: str | Path, dtype: str = "auto", lazy: bool = True, native: bool = True
+    path_or_repo: str | Path,
+    dtype: str = "auto",
+    lazy: bool = True,
+    native: bool = True,
+    tokenizer_from: Model | None = None,
 ) -> Model:
     """Load a model directory or hub id (dense or MLX-quantized) for generation.
 
     With `native`, INT4 layers run on specmlx's CPU kernel where it applies (see
     specmlx.native; everything else, and the GPU, keeps mx.quantized_matmul).
+    `tokenizer_from`: a loaded model whose tokenizer is reused when this one ships a
+    byte-identical tokenizer.json (a draft of the same family); loading a 150k-token
+    tokenizer takes 1-2 s, and a draft's tokenizer only serves its vocabulary.
     """
     from mlx_lm.utils import load_model, load_tokenizer
 
@@ -155,19 +163,33 @@ def load(
 
         patch_model(module)
     if not lazy:
-        mx.eval(module.parameters())
+        mx.async_eval(module.parameters())  # read the weights while the tokenizer loads
     t1 = time.perf_counter()
-    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    if tokenizer_from is not None and same_file(path, tokenizer_from.path, "tokenizer.json"):
+        tokenizer = tokenizer_from.tokenizer
+    else:
+        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     t2 = time.perf_counter()
+    if not lazy:
+        mx.eval(module.parameters())
+    t3 = time.perf_counter()
     logits_dim = config.get("vocab_size") or module.args.vocab_size
     vocab_size = min(len(tokenizer), logits_dim)
-    # weights_s covers reading the tensors only when lazy=False (else the first forward does).
-    info = {"weights_s": t1 - t0, "tokenizer_s": t2 - t1}
+    # weights_s: building the model, plus the part of reading (lazy=False only) that the
+    # tokenizer load did not hide.
+    info = {"weights_s": (t1 - t0) + (t3 - t2), "tokenizer_s": t2 - t1}
     return Model(module, tokenizer, config, path, vocab_size, chosen, info)
+
+
+def same_file(a: Path, b: Path, name: str) -> bool:
+    """Whether directories a and b both hold file `name` with the same bytes."""
+    return (a / name).is_file() and (b / name).is_file() and filecmp.cmp(a / name, b / name, False)
 
 
 def check_pair(target: Model, draft: Model) -> None:
     """Refuse a draft whose tokenizer differs from the target's: its tokens mean other text."""
+    if draft.tokenizer is target.tokenizer:  # shared by load(): the same tokenizer.json
+        return
     if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
         raise SpecmlxError(
             f"draft {draft.path} has a different tokenizer from target {target.path} "

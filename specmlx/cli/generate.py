@@ -104,7 +104,7 @@ def generate(
                 "import_s": timings["import_s"],
                 "tokenizer_s": timings["tokenizer_s"],
                 "weights_s": timings["weights_s"],
-                "first_forward_s": stats.prefill_time,
+                "first_forward_s": stats.ttft,  # prefill + first round: the first passes
                 "first_token_s": first_token_s,
                 "total_s": total_s,
             },

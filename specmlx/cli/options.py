@@ -81,7 +81,7 @@ def load_pair(model: str | None, draft: str | None, no_draft: bool, dtype: str, 
     target = load(model, dtype=dtype, lazy=False)
     if no_draft or draft is None:
         return target, None
-    drafter = load(draft, dtype=dtype, lazy=False)
+    drafter = load(draft, dtype=dtype, lazy=False, tokenizer_from=target)
     check_pair(target, drafter)
     return target, drafter
 
