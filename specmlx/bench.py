@@ -755,7 +755,31 @@ def machine_info() -> dict:
         "blas": blas_info(),
         "env": {k: os.environ[k] for k in env_keys if k in os.environ},
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "code": code_version(),
     }
+
+
+def code_version() -> dict | None:
+    """The checkout's commit and whether it had uncommitted changes (None outside git)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return {"commit": commit, "dirty": bool(dirty)}
 
 
 def describe_model(model: Model) -> dict:
@@ -792,13 +816,13 @@ def run_bench(
     seed: int = 0,
     chat_template: bool = True,
     warmup: bool = True,
-    load_s: float | None = None,
+    cold_start: dict | None = None,
     progress: Callable[[dict], None] = lambda event: None,
     runners: dict[str, Callable[..., RunRecord]] = RUNNERS,
 ) -> dict:
     """Run every (prompt, temperature, mode) in the interleaved order; return the result.
 
-    `load_s` is the caller's model load time, reported as part of the cold start.
+    `cold_start` holds the caller's load timings (process start to models ready).
     `progress` is called before each run with {phase, index, total, prompt, prompts,
     mode, temperature, elapsed_s, eta_s, records}. The result holds every raw record,
     the summary rows, the settings and the machine.
@@ -886,7 +910,7 @@ def run_bench(
         "warmup": warmups,
         # Weights load lazily: the first forward pass pays for reading them.
         "cold_start": {
-            "load_s": load_s,
+            **(cold_start or {}),
             "first_call_ttft_s": warmups[0]["ttft_s"] if warmups else None,
             "first_call_wall_s": warmups[0]["wall_s"] if warmups else None,
         },

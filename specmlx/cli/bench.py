@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import typer
@@ -121,8 +120,8 @@ def render(result: dict, console: Console) -> None:
     console.print(
         f"[dim]{m['cpu']} · {m['cores']} cores · {m['backend']} · mlx {m['mlx']} · "
         f"mlx-lm {m['mlx_lm']} · BLAS {m['blas']['active'] or 'not found'} · "
-        f"cold start: load {_num(cold['load_s'])} s + "
-        f"first call {_num(cold['first_call_wall_s'])} s"
+        f"cold start {_num(cold.get('cold_start_s'))} s (imports {_num(cold.get('import_s'))}, "
+        f"weights {_num(cold.get('weights_s'))}) + first call {_num(cold['first_call_wall_s'])} s"
         f" · peak RSS {result['memory']['rss_peak_bytes'] / 2**20:.0f} MB · "
         f"run {_duration(result['duration_s'])}[/dim]"
     )
@@ -218,9 +217,7 @@ def bench(
                 "--plot needs matplotlib; install it with `pip install 'specmlx[bench]'`"
             ) from None
     log = lambda msg: err.print(f"[dim]{msg}[/dim]")  # noqa: E731
-    t_load = time.perf_counter()
-    target, drafter = options.load_pair(model, draft, False, dtype, log)
-    load_s = time.perf_counter() - t_load
+    target, drafter, timings = options.load_timed(model, draft, False, dtype, log)
     if drafter is None:
         raise options.SpecmlxError("bench needs a draft model: pass --draft")
     modes = lib.build_modes(
@@ -265,7 +262,7 @@ def bench(
         seed=seed,
         chat_template=not raw,
         warmup=warmup,
-        load_s=load_s,
+        cold_start=timings,
         progress=progress,
     )
     result["argv"] = sys.argv
