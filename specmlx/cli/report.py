@@ -82,6 +82,14 @@ def startup_lines(target, draft, timings: dict, backend: str) -> list[str]:
     return lines
 
 
+def gamma_shown(stats) -> str:
+    """γ as asked; for auto, also the γ its rounds used most."""
+    used = stats.rounds_by_gamma
+    if stats.gamma == "auto" and used:
+        return f"auto→{max(used, key=used.get)}"
+    return str(stats.gamma)
+
+
 def stats_line(stats) -> str:
     """One line per reply: tokens, speed, TTFT, prefill, and the speculative numbers."""
     parts = [
@@ -94,7 +102,7 @@ def stats_line(stats) -> str:
         parts += [
             f"α {stats.acceptance:.2f}",
             f"τ {stats.tokens_per_pass:.2f}",
-            f"γ {stats.gamma}",
+            f"γ {gamma_shown(stats)}",
             f"verify/draft {stats.verify_time:.2f}/{stats.draft_time:.2f} s",
         ]
     else:
