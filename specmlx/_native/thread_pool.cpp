@@ -40,8 +40,11 @@ ThreadPool::~ThreadPool() {
 void ThreadPool::start(int n) {
   size_ = std::max(1, n);
   stopping_ = false;
+  // Workers start from the generation as of now, not as of when they first get scheduled:
+  // a run() or stop() issued before a new thread reaches its wait would otherwise be missed.
+  const uint64_t start_gen = generation_.load(std::memory_order_relaxed);
   for (int i = 1; i < size_; ++i) {
-    workers_.emplace_back([this, i] { worker(i); });
+    workers_.emplace_back([this, i, start_gen] { worker(i, start_gen); });
   }
 }
 
@@ -64,8 +67,7 @@ void ThreadPool::resize(int n) {
   start(n);
 }
 
-void ThreadPool::worker(int index) {
-  uint64_t seen = generation_.load(std::memory_order_acquire);
+void ThreadPool::worker(int index, uint64_t seen) {
   while (true) {
     generation_.wait(seen, std::memory_order_acquire);
     seen = generation_.load(std::memory_order_acquire);

@@ -29,7 +29,7 @@ class ThreadPool {
   explicit ThreadPool(int n);
   void start(int n);
   void stop();
-  void worker(int index);
+  void worker(int index, uint64_t seen);
 
   std::mutex run_mutex_;  // one run (or resize) at a time: MLX may evaluate on several streams
   std::vector<std::thread> workers_;
