@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
 
+from .blas import expand_quantized, pick_cpu_weights
 from .errors import SpecmlxError
 
 # Files a model needs; everything else in a hub repo (READMEs, GGUFs, ONNX) is skipped.
@@ -44,6 +45,9 @@ class Model:
     vocab_size: int  # tokens the tokenizer can produce; logits beyond it are padding
     dtype: str = "float32"
     info: dict = field(default_factory=dict)
+    # "fp32": INT4 weights expanded at load for a fast CPU BLAS (specmlx.blas); why it was chosen
+    weights: str = ""
+    weights_why: str = ""
 
     @property
     def quantization(self) -> dict | None:
@@ -56,6 +60,8 @@ class Model:
     def describe(self) -> str:
         q = self.quantization
         bits = f"INT{q['bits']} g{q['group_size']}" if q else "dense"
+        if self.weights == "fp32":
+            bits += " expanded to fp32"
         return f"{self.name} ({self.config.get('model_type')}, {bits}, {self.dtype})"
 
 
@@ -135,6 +141,7 @@ def load(
     dtype: str = "auto",
     lazy: bool = True,
     native: bool = True,
+    cpu_weights: str = "auto",
     tokenizer_from: Model | None = None,
 ) -> Model:
     """Load a model directory or hub id (dense or MLX-quantized) for generation.
@@ -144,6 +151,8 @@ def load(
     `tokenizer_from`: a loaded model whose tokenizer is reused when this one ships a
     byte-identical tokenizer.json (a draft of the same family); loading a 150k-token
     tokenizer takes 1-2 s, and a draft's tokenizer only serves its vocabulary.
+    `cpu_weights` "fp32" expands INT4 weights to float32 for a fast BLAS, "int4" keeps
+    them, "auto" expands on CPU when a fast BLAS is active and memory allows (specmlx.blas).
     """
     from mlx_lm.utils import load_model, load_tokenizer
 
@@ -158,6 +167,9 @@ def load(
         raise SpecmlxError(f"cannot build the model in {path}: {e}") from e
     chosen = pick_dtype(config, dtype)
     cast_floating(module, chosen)
+    weights, weights_why = pick_cpu_weights(module, cpu_weights, backend())
+    if weights == "fp32":
+        expand_quantized(module)  # before the native patch: nothing INT4 is left for it
     if native:
         from .native import patch_model
 
@@ -178,7 +190,7 @@ def load(
     # weights_s: building the model, plus the part of reading (lazy=False only) that the
     # tokenizer load did not hide.
     info = {"weights_s": (t1 - t0) + (t3 - t2), "tokenizer_s": t2 - t1}
-    return Model(module, tokenizer, config, path, vocab_size, chosen, info)
+    return Model(module, tokenizer, config, path, vocab_size, chosen, info, weights, weights_why)
 
 
 def same_file(a: Path, b: Path, name: str) -> bool:

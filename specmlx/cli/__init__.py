@@ -30,6 +30,11 @@ app = typer.Typer(
 @app.callback()
 def _root(
     debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
+    no_fast_blas: bool = typer.Option(
+        False,
+        "--no-fast-blas",
+        help="Keep MLX's bundled BLAS; do not load OpenBLAS (also SPECMLX_FAST_BLAS=0).",
+    ),
 ) -> None:
     """Quantized speculative decoding on MLX."""
 
@@ -48,8 +53,18 @@ def _register(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: user errors become one line on stderr and a non-zero exit."""
+    as_process = argv is None  # the process's own entry point, not a call from Python
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
+    if as_process:
+        from ..blas import setup_cli
+
+        # Before anything imports mlx: a fast BLAS must be in place when libmlx binds it.
+        try:
+            setup_cli(no_fast_blas="--no-fast-blas" in argv)
+        except SpecmlxError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
     _register(argv)
     try:
         app(args=argv, prog_name="specmlx", standalone_mode=False)
