@@ -61,7 +61,7 @@ void tile_scalar(const QmmJob& j, int n, int rows, int m0, int mt) {
         for (int c = 0; c < 8; ++c) {
           const float v = table[(word >> (4 * c)) & 15];
           for (int m = 0; m < mt; ++m) {
-            acc[m] += v * j.x[size_t(m0 + m) * j.K + k + c];
+            acc[m] += v * j.x[size_t(m0 + m) * j.ldx + k + c];
           }
         }
       }
@@ -113,7 +113,7 @@ SPECMLX_AVX512 void tile_avx512(const QmmJob& j, int n, int rows, int m0) {
   const uint32_t* w0 = j.w + size_t(n) * words;
   const uint32_t* w1 = j.w + size_t(n1) * words;
   const size_t s0 = size_t(n) * groups, s1 = size_t(n1) * groups;
-  const float* x = j.x + size_t(m0) * j.K;
+  const float* x = j.x + size_t(m0) * j.ldx;
   const __m512 iota =
       _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   alignas(64) int spread_lanes[16];
@@ -149,7 +149,7 @@ SPECMLX_AVX512 void tile_avx512(const QmmJob& j, int n, int rows, int m0) {
         const __m512 f1 = _mm512_permutexvar_ps(q1, t1);
         const float* xv = xg + (b * Lay::NV + v) * 16;
         for (int m = 0; m < MT; ++m) {
-          const __m512 xm = _mm512_loadu_ps(xv + size_t(m) * j.K);
+          const __m512 xm = _mm512_loadu_ps(xv + size_t(m) * j.ldx);
           acc0[m] = _mm512_fmadd_ps(f0, xm, acc0[m]);
           acc1[m] = _mm512_fmadd_ps(f1, xm, acc1[m]);
         }
@@ -197,7 +197,7 @@ SPECMLX_AVX2 void tile_avx2(const QmmJob& j, int n, int rows, int m0) {
   const uint32_t* w0 = j.w + size_t(n) * words;
   const uint32_t* w1 = j.w + size_t(n1) * words;
   const size_t s0 = size_t(n) * groups, s1 = size_t(n1) * groups;
-  const float* x = j.x + size_t(m0) * j.K;
+  const float* x = j.x + size_t(m0) * j.ldx;
   const __m256i low4 = _mm256_set1_epi32(15);
   const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);  // used when C == 2
 
@@ -226,7 +226,7 @@ SPECMLX_AVX2 void tile_avx2(const QmmJob& j, int n, int rows, int m0) {
             _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q1, low4)), sc1, bi1);
         const float* xv = xg + (b * Lay::NV + v) * 8;
         for (int m = 0; m < MT; ++m) {
-          const __m256 xm = _mm256_loadu_ps(xv + size_t(m) * j.K);
+          const __m256 xm = _mm256_loadu_ps(xv + size_t(m) * j.ldx);
           acc0[m] = _mm256_fmadd_ps(f0, xm, acc0[m]);
           acc1[m] = _mm256_fmadd_ps(f1, xm, acc1[m]);
         }
@@ -327,7 +327,7 @@ void qmm_rows(Isa isa, const QmmJob& j, int n0, int n1) {
   const int tile_rows = max_rows(isa);
   // Block x rows so that one block stays in L2 while the output rows sweep past it; a
   // row pair's weights (a few KiB) stay in L1 across the block's tiles.
-  const int block = std::max<int>(tile_rows, int(kL2Floats / size_t(j.K)) / tile_rows * tile_rows);
+  const int block = std::max<int>(tile_rows, int(kL2Floats / size_t(j.ldx)) / tile_rows * tile_rows);
   for (int mb = 0; mb < j.M; mb += block) {
     const int mb_end = std::min(j.M, mb + block);
     for (int n = n0; n < n1; n += 2) {

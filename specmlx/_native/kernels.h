@@ -12,13 +12,14 @@ enum class Isa { scalar, avx2, avx512 };
 // One matmul's operands. x has already been converted to fp32 and packed into the ISA's
 // lane order (see pack_index in qmm.cpp); y is fp32, M x N row-major.
 struct QmmJob {
-  const float* x;      // M x K
+  const float* x;      // M rows of K, ldx floats apart
   const uint32_t* w;   // N x K/8: code k of a row is bits 4*(k%8).. of word k/8
   const void* scales;  // N x K/group_size
   const void* biases;  // N x K/group_size, same type as scales
   ScaleType stype;
   float* y;  // M x N
   int M, N, K, group_size;
+  int ldx;  // row stride of x, padded past K (see row_stride in qmm.cpp)
 };
 
 // The best ISA this CPU (and OS) supports.

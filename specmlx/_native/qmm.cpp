@@ -36,31 +36,38 @@ inline int pack_index(int k, int group_words, int lanes) {
   return (block * NV + v) * lanes + c * B + w;
 }
 
+// Row stride of packed x. The kernels read up to 8 rows of x at the same offset; with the
+// row sizes of real models (multiples of 1 KiB) those rows share a few L1 sets and evict
+// each other. One cache line of padding staggers them across sets.
+int row_stride(int K) {
+  return K + 16;
+}
+
 template <typename T>
-void pack_x(const T* src, float* dst, int M, int K, int group_size, int lanes) {
-  if (lanes == 1) {
-    std::transform(src, src + size_t(M) * K, dst, [](T v) { return static_cast<float>(v); });
-    return;
-  }
+void pack_x(const T* src, float* dst, int M, int K, int ldx, int group_size, int lanes) {
   const int gw = group_size / 8;
   int perm[128];
   for (int k = 0; k < group_size; ++k) {
-    perm[k] = pack_index(k, gw, lanes);
+    perm[k] = lanes == 1 ? k : pack_index(k, gw, lanes);
   }
-  for (size_t base = 0; base < size_t(M) * K; base += group_size) {
-    for (int k = 0; k < group_size; ++k) {
-      dst[base + perm[k]] = static_cast<float>(src[base + k]);
+  for (int m = 0; m < M; ++m) {
+    const T* s = src + size_t(m) * K;
+    float* d = dst + size_t(m) * ldx;
+    for (int base = 0; base < K; base += group_size) {
+      for (int k = 0; k < group_size; ++k) {
+        d[base + perm[k]] = static_cast<float>(s[base + k]);
+      }
     }
   }
 }
 
-void pack_any(const void* src, mx::Dtype t, float* dst, int M, int K, int gs, int lanes) {
+void pack_any(const void* src, mx::Dtype t, float* dst, int M, int K, int ldx, int gs, int lanes) {
   if (t == mx::float32) {
-    pack_x(static_cast<const float*>(src), dst, M, K, gs, lanes);
+    pack_x(static_cast<const float*>(src), dst, M, K, ldx, gs, lanes);
   } else if (t == mx::bfloat16) {
-    pack_x(static_cast<const mx::bfloat16_t*>(src), dst, M, K, gs, lanes);
+    pack_x(static_cast<const mx::bfloat16_t*>(src), dst, M, K, ldx, gs, lanes);
   } else {
-    pack_x(static_cast<const mx::float16_t*>(src), dst, M, K, gs, lanes);
+    pack_x(static_cast<const mx::float16_t*>(src), dst, M, K, ldx, gs, lanes);
   }
 }
 
@@ -95,13 +102,14 @@ void run(const Call& c) {
   thread_local std::unique_ptr<float[]> x_buf, y_buf;
   thread_local size_t x_cap = 0, y_cap = 0;
   const Isa isa = g_isa.load(std::memory_order_relaxed);
-  const size_t x_elems = size_t(c.M) * c.K, y_elems = size_t(c.M) * c.N;
+  const int ldx = row_stride(c.K);
+  const size_t x_elems = size_t(c.M) * ldx, y_elems = size_t(c.M) * c.N;
 
   float* xp = scratch(x_buf, x_cap, x_elems);
-  pack_any(c.x, c.x_type, xp, c.M, c.K, c.group_size, isa_lanes(isa));
+  pack_any(c.x, c.x_type, xp, c.M, c.K, ldx, c.group_size, isa_lanes(isa));
   float* y = c.out_type == mx::float32 ? static_cast<float*>(c.out) : scratch(y_buf, y_cap, y_elems);
 
-  const QmmJob job{xp, c.w, c.scales, c.biases, c.stype, y, c.M, c.N, c.K, c.group_size};
+  const QmmJob job{xp, c.w, c.scales, c.biases, c.stype, y, c.M, c.N, c.K, c.group_size, ldx};
   auto& pool = ThreadPool::instance();
   const int pairs = (c.N + 1) / 2;
   const size_t work = size_t(c.N) * c.K * size_t(c.M + 2);
