@@ -1,0 +1,135 @@
+"""Where verification is memory-bound: T(k)/T(1) and speculative speed on a GPU.
+
+Random-init Qwen2.5-1.5B (target) and 0.5B (draft) shapes, INT4 g64 (MLX's affine
+format), in the backend's fast dtype, run through specmlx's engine. Random weights
+give near-uniform distributions, so acceptance here says nothing about real models;
+what this measures is the cost curve of verifying k tokens in one pass and what the
+auto-γ policy does with it. Prints a table and writes JSON.
+
+    python bench/gpu_check.py --json OUT.json            # on the device (MLX CUDA/Metal)
+    python bench/gpu_check.py --small --json /tmp/x.json  # smoke test on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import qwen2
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+import specmlx
+from specmlx.loading import Model
+from specmlx.tiny import build_tiny_model
+
+QWEN = {  # Qwen2.5-1.5B and -0.5B, as in their config.json
+    "target": dict(hidden_size=1536, num_hidden_layers=28, intermediate_size=8960,
+                   num_attention_heads=12, num_key_value_heads=2),
+    "draft": dict(hidden_size=896, num_hidden_layers=24, intermediate_size=4864,
+                  num_attention_heads=14, num_key_value_heads=2),
+}  # fmt: skip
+SMALL = {
+    "target": dict(hidden_size=256, num_hidden_layers=4, intermediate_size=512,
+                   num_attention_heads=4, num_key_value_heads=2),
+    "draft": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                  num_attention_heads=4, num_key_value_heads=2),
+}  # fmt: skip
+
+
+def random_model(shape: dict, vocab: int, dtype, tokenizer, seed: int) -> Model:
+    config = dict(model_type="qwen2", rms_norm_eps=1e-6, vocab_size=vocab, rope_theta=1e6,
+                  max_position_embeddings=32768, tie_word_embeddings=True, **shape)  # fmt: skip
+    mx.random.seed(seed)
+    module = qwen2.Model(qwen2.ModelArgs.from_dict(config))
+    module.set_dtype(dtype)
+    nn.quantize(module, group_size=64, bits=4)
+    mx.eval(module.parameters())
+    config["quantization"] = {"group_size": 64, "bits": 4}
+    name = "qwen2-random-" + str(shape["hidden_size"])
+    return Model(module, tokenizer, config, Path(name), len(tokenizer), str(dtype).split(".")[-1])
+
+
+def target_step_times(model: Model, ks: list[int], context: int, reps: int) -> dict[int, float]:
+    """Median seconds of one target pass with k new tokens after `context` cached ones."""
+    cache = make_prompt_cache(model.module)
+    mx.eval(model.module(mx.arange(context)[None] % 300, cache=cache))
+    times: dict[int, list[float]] = {k: [] for k in ks}
+    for _ in range(reps):
+        for k in ks:  # interleaved, so drift hits every k alike
+            x = (mx.arange(k)[None] + 7) % 300
+            t = time.perf_counter()
+            mx.eval(model.module(x, cache=cache))
+            times[k].append(time.perf_counter() - t)
+            trim_prompt_cache(cache, k)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--small", action="store_true", help="tiny shapes, for a CPU smoke test")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    shapes = SMALL if args.small else QWEN
+    vocab = 151936
+    dtype = mx.float32 if mx.default_device() == mx.cpu else mx.float16
+    tmp = Path(tempfile.mkdtemp())
+    tokenizer = load_tokenizer(build_tiny_model(tmp / "tok", layers=1, hidden=32))
+    tokenizer.eos_token_ids = set()  # random weights: time fixed-length runs
+    target = random_model(shapes["target"], vocab, dtype, tokenizer, 0)
+    draft = random_model(shapes["draft"], vocab, dtype, tokenizer, 1)
+
+    ks = [1, 2, 3, 4, 5, 6, 7, 9]
+    curve = target_step_times(target, ks, context=128, reps=5)
+    draft_curve = target_step_times(draft, [1], context=128, reps=5)
+    prompt = list(range(40, 80))
+    modes = [("target alone", None, 0), ("γ=2", draft, 2), ("γ=4", draft, 4), ("γ=6", draft, 6),
+             ("auto", draft, "auto"), ("self-draft γ=4", target, 4)]  # fmt: skip
+    runs: dict[str, list[dict]] = {name: [] for name, _, _ in modes}
+    for temperature in (1.0,):
+        for _ in range(1):  # warm-up: compile and allocate outside the timed runs
+            for _, d, g in modes:
+                specmlx.generate(target, prompt, draft=d, num_draft=g, max_tokens=16).run()
+        for rep in range(args.reps):
+            for name, d, g in modes:
+                gen = specmlx.generate(target, prompt, draft=d, num_draft=g, seed=rep,
+                                       max_tokens=args.tokens, temperature=temperature)  # fmt: skip
+                gen.run()
+                runs[name].append(gen.stats.to_dict())
+    base = statistics.median(r["decode_tps"] for r in runs["target alone"])
+    out = {
+        "device": str(mx.default_device()),
+        "machine": platform.node(),
+        "mlx": mx.__version__,
+        "dtype": str(dtype),
+        "shapes": shapes,
+        "target_step_s": curve,
+        "draft_step_s": draft_curve[1],
+        "runs": runs,
+    }
+    print(f"device {out['device']}  mlx {mx.__version__}  dtype {dtype}")
+    print("T(k)/T(1): " + "  ".join(f"k={k}: {curve[k] / curve[1]:.2f}" for k in ks))
+    print(f"T(1) = {curve[1] * 1e3:.2f} ms, draft step = {draft_curve[1] * 1e3:.2f} ms")
+    print(f"{'mode':16} {'tok/s':>8} {'speedup':>8} {'alpha':>6} {'tau':>5}  gamma used")
+    for name, _, _ in modes:
+        rs = runs[name]
+        tps = statistics.median(r["decode_tps"] for r in rs)
+        alpha = statistics.median(r["acceptance"] for r in rs)
+        tau = statistics.median(r["tokens_per_pass"] for r in rs)
+        used = rs[-1]["rounds_by_gamma"]
+        print(f"{name:16} {tps:8.1f} {tps / base:8.2f} {alpha:6.2f} {tau:5.2f}  {used}")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
