@@ -62,18 +62,22 @@ def quantize(
     from ..convert import quantize as run
 
     console = Console(stderr=True, soft_wrap=True)
-    with progress_bar(console) as bar:
-        task = bar.add_task("quantizing", total=None, tensors="")
+    bar = progress_bar(console)
+    task = None
 
-        def on_progress(p) -> None:
-            bar.update(
-                task,
-                total=p.bytes_total,
-                completed=p.bytes_done,
-                tensors=f"{p.tensors_done}/{p.tensors_total} tensors",
-            )
+    def on_progress(p) -> None:
+        nonlocal task
+        if task is None:  # started on the first tensor, so input errors print one clean line
+            bar.start()
+            task = bar.add_task("quantizing", total=p.bytes_total, tensors="")
+        tensors = f"{p.tensors_done}/{p.tensors_total} tensors"
+        bar.update(task, completed=p.bytes_done, tensors=tensors)
 
+    try:
         summary = run(src, out, bits, group_size, embed_bits, dtype, force, on_progress=on_progress)
+    finally:
+        if task is not None:
+            bar.stop()
     console.print(f"[green]wrote {summary.out}[/green]: {summary_line(summary)}")
     if summary.unquantized:
         console.print(f"left unquantized: {', '.join(summary.unquantized)}")

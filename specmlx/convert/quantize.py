@@ -133,7 +133,17 @@ def open_source(src: str | Path) -> Source:
         if not path.exists():
             raise SpecmlxError(f"GGUF file {path} does not exist")
         return open_gguf(path)
-    return open_safetensors_dir(resolve_path(src), str(src))
+    try:
+        return open_safetensors_dir(resolve_path(src), str(src))
+    except SpecmlxError:
+        from huggingface_hub import constants
+
+        if path.exists() or not constants.HF_HUB_OFFLINE:
+            raise
+        raise SpecmlxError(
+            f"{src} is not in the local hub cache and HF_HUB_OFFLINE is set: "
+            "unset it to download, or pass a local directory"
+        ) from None
 
 
 def open_safetensors_dir(path: Path, location: str) -> Source:
