@@ -47,14 +47,19 @@ def summary_line(summary) -> str:
 @app.command()
 def quantize(
     src: str = typer.Argument(..., help="HF safetensors directory, hub id, or .gguf file."),
-    out: Path = typer.Option(..., "--out", "-o", help="Output directory (must not exist)."),
+    out: Path = typer.Option(
+        ..., "--out", "-o", help="Output directory (refused if it exists, unless --force)."
+    ),
     bits: int = typer.Option(4, "--bits", "-b", help="Bits per weight: 2, 3, 4, 6 or 8."),
     group_size: int = typer.Option(64, "--group-size", "-g", help="Weights per scale: 32/64/128."),
     embed_bits: int = typer.Option(
         8, "--embed-bits", help="Bits for the embedding and output head (16 = unquantized)."
     ),
     dtype: str = typer.Option(
-        None, "--dtype", help="float16 or bfloat16 for scales and unquantized tensors."
+        None,
+        "--dtype",
+        help="Scales and unquantized tensors: float16, bfloat16 or float32 "
+        "(default: the source's 16-bit type, else float16).",
     ),
     force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),
 ) -> None:
