@@ -68,6 +68,7 @@ def chat(
     gamma: str = options.Gamma,
     seed: int = options.Seed,
     dtype: str = options.Dtype,
+    cpu_weights: str = options.CpuWeights,
     system: str = options.System,
 ) -> None:
     """Chat with a model, speculatively when a draft is given; /help lists the commands."""
@@ -78,7 +79,7 @@ def chat(
     def note(msg: str, style: str | None = "dim") -> None:
         err.print(msg, style=style, markup=False)
 
-    target, drafter, timings = options.load_timed(model, draft, no_draft, dtype, note)
+    target, drafter, timings = options.load_timed(model, draft, no_draft, dtype, note, cpu_weights)
 
     from ..loading import backend
     from ..speculative import Session, Stats

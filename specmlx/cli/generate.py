@@ -29,6 +29,7 @@ def generate(
     gamma: str = options.Gamma,
     seed: int = options.Seed,
     dtype: str = options.Dtype,
+    cpu_weights: str = options.CpuWeights,
     system: str = options.System,
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
@@ -38,8 +39,9 @@ def generate(
     text = options.read_prompt(prompt, prompt_file)
     err = Console(stderr=True, soft_wrap=True, highlight=False)
     log = (lambda msg: None) if as_json else (lambda msg: err.print(f"[dim]{msg}[/dim]"))
-    target, drafter, timings = options.load_timed(model, draft, no_draft, dtype, log)
+    target, drafter, timings = options.load_timed(model, draft, no_draft, dtype, log, cpu_weights)
 
+    from ..blas import blas_info
     from ..loading import backend
     from ..speculative import generate as run
 
@@ -89,6 +91,8 @@ def generate(
                 "seed": seed,
                 "dtype": target.dtype,
                 "backend": backend(),
+                "cpu_weights": {"target": target.weights, "draft": drafter and drafter.weights},
+                "blas": blas_info(),
             },
             "stats": stats.to_dict(),
             "timings": {
@@ -114,5 +118,6 @@ def generate(
     else:
         # After an EOS the engine may flush text it held back; print that too.
         sys.stdout.write(gen.text[shown:] + "\n")
-        log(f"{report.stats_line(stats)} · first token {first_token_s:.2f} s after start")
+        cpu = f" · {report.cpu_tag(target)}" if backend() == "cpu" else ""
+        log(f"{report.stats_line(stats)}{cpu} · first token {first_token_s:.2f} s after start")
         log(report.memory_line())

@@ -22,6 +22,12 @@ TopK = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = all).
 Gamma = typer.Option("4", "--gamma", "-g", help="Draft tokens per round: an integer >= 0, or auto.")
 Seed = typer.Option(0, "--seed", "-s", help="Random seed; the same seed gives the same output.")
 Dtype = typer.Option("auto", "--dtype", help="auto (float32 on CPU), float32, float16, bfloat16.")
+CpuWeights = typer.Option(
+    "auto",
+    "--cpu-weights",
+    help="CPU weights: int4 (as stored), fp32 (INT4 expanded at load: verify costs ~1 token "
+    "on a fast BLAS), auto (fp32 when a fast BLAS is active and memory allows).",
+)
 System = typer.Option(None, "--system", help="System prompt (uses the model's chat template).")
 
 # What --gamma auto becomes when the engine has no automatic policy to hand it to.
@@ -70,7 +76,14 @@ def start_generation(run, target, prompt, gamma: int | str, **kwargs):
     return run(target, prompt, num_draft=gamma, **kwargs), gamma
 
 
-def load_pair(model: str | None, draft: str | None, no_draft: bool, dtype: str, log):
+def load_pair(
+    model: str | None,
+    draft: str | None,
+    no_draft: bool,
+    dtype: str,
+    log,
+    cpu_weights: str = "auto",
+):
     """Load target and draft (None with --no-draft); the default pair if none is named
     (see specmlx.models.resolve_pair; `--model tiny` is the tiny random demo pair)."""
     from ..loading import check_pair, load
@@ -78,29 +91,39 @@ def load_pair(model: str | None, draft: str | None, no_draft: bool, dtype: str, 
 
     model, draft = resolve_pair(model, draft, log)
     # Weights are read now (not at the first forward) so "ready" means ready.
-    target = load(model, dtype=dtype, lazy=False)
+    target = load(model, dtype=dtype, lazy=False, cpu_weights=cpu_weights)
     if no_draft or draft is None:
         return target, None
-    drafter = load(draft, dtype=dtype, lazy=False, tokenizer_from=target)
+    drafter = load(draft, dtype=dtype, lazy=False, cpu_weights=cpu_weights, tokenizer_from=target)
     check_pair(target, drafter)
     return target, drafter
 
 
-def load_timed(model: str | None, draft: str | None, no_draft: bool, dtype: str, log):
+def load_timed(
+    model: str | None,
+    draft: str | None,
+    no_draft: bool,
+    dtype: str,
+    log,
+    cpu_weights: str = "auto",
+):
     """load_pair, plus where the cold start went: returns (target, draft, timings).
 
     timings (seconds): before_main_s (interpreter start and the CLI's own imports),
     import_s (mlx, mlx-lm, transformers), weights_s, tokenizer_s (both models),
     cold_start_s (process start to both models ready).
     """
+    from ..blas import CPU_WEIGHTS
     from .report import process_start
 
+    if cpu_weights not in CPU_WEIGHTS:  # before the slow imports
+        raise SpecmlxError(f"--cpu-weights must be one of {', '.join(CPU_WEIGHTS)}")
     t0 = time.perf_counter()
     before_main = time.time() - process_start()
     from .. import speculative  # noqa: F401  (mlx-lm pulls in transformers: most of a cold start)
 
     import_s = time.perf_counter() - t0
-    target, drafter = load_pair(model, draft, no_draft, dtype, log)
+    target, drafter = load_pair(model, draft, no_draft, dtype, log, cpu_weights)
     loaded = [m for m in (target, drafter) if m is not None]
     timings = {
         "before_main_s": before_main,

@@ -78,8 +78,34 @@ def startup_lines(target, draft, timings: dict, backend: str) -> list[str]:
         lines.append(f"draft  {draft.describe()} {human_bytes(weight_bytes(draft))}")
     else:
         lines.append("draft  none (plain decoding)")
+    if backend == "cpu":
+        lines.append(f"cpu    {cpu_path(target, draft)}")
     lines.append(memory_line())
     return lines
+
+
+def cpu_path(target, draft) -> str:
+    """Weights mode per model and the BLAS under MLX's dense matmuls (see specmlx.blas)."""
+    from ..blas import blas_info, describe
+
+    info = blas_info()
+    models = [("target", target), ("draft", draft)]
+    weights = ", ".join(f"{role} {m.weights}" for role, m in models if m is not None)
+    blas = describe(info)
+    if info.get("threads_why"):
+        blas += f" ({info['threads_why']})"
+    elif info.get("why_not_fast"):
+        blas += f" ({info['why_not_fast']})"
+    return f"weights {weights} · BLAS {blas}"
+
+
+def cpu_tag(target) -> str:
+    """cpu_path in a few words, for the per-reply stats line."""
+    from ..blas import blas_info
+
+    info = blas_info()
+    blas = info["name"].split(" (")[0].split()[0]  # "OpenBLAS", "reference", "Accelerate"
+    return f"{target.weights} weights on {blas}×{info['threads'] or 1}"
 
 
 def gamma_shown(stats) -> str:
