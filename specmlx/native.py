@@ -53,7 +53,7 @@ def _load(
         # Loading it anyway could fail on missing symbols or, worse, run with a stale ABI.
         return None, (
             f"built for mlx {built_for} but mlx {mlx_version} is installed; "
-            "rebuild with `pip install -e .`"
+            "reinstall specmlx to rebuild (`pip install -e .` in a checkout)"
         )
     try:
         return importlib.import_module(module), ""
