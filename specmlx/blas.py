@@ -50,6 +50,7 @@ import ctypes.util
 import importlib.util
 import math
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -155,15 +156,19 @@ def _mlx_loaded() -> bool:
     return "mlx.core" in sys.modules
 
 
-def _gfortran_dir() -> Path | None:
-    """A folder holding libgfortran.so.5 -> mlx[cpu]'s bundled copy, for LD_LIBRARY_PATH."""
+def _gfortran_dirs() -> list[Path]:
+    """LD_LIBRARY_PATH folders that provide libgfortran.so.5 from mlx[cpu]'s bundled copy.
+
+    A folder with a libgfortran.so.5 link to it, then mlx_cpu.libs itself, where that
+    copy finds its own hashed libquadmath. Empty when mlx bundles none.
+    """
     spec = importlib.util.find_spec("mlx")
     if spec is None or not spec.submodule_search_locations:
         return None
     bundled = Path(list(spec.submodule_search_locations)[0]).parent / "mlx_cpu.libs"
     copies = sorted(bundled.glob("libgfortran-*.so.5*"))
     if not copies:
-        return None
+        return []
     from .models import home
 
     folder = home() / "lib"
@@ -174,7 +179,7 @@ def _gfortran_dir() -> Path | None:
         tmp.unlink(missing_ok=True)
         tmp.symlink_to(copies[0])
         tmp.replace(link)  # atomic: concurrent starts never see a half-made link
-    return folder
+    return [folder, bundled]
 
 
 def activate(threads: int | None = None) -> str:
@@ -224,10 +229,16 @@ def setup_cli(no_fast_blas: bool = False) -> None:
     env[ENV_GUARD] = threads_why
     env["LD_PRELOAD"] = ":".join(filter(None, [str(lib), env.get("LD_PRELOAD")]))
     if "libgfortran" in why:
-        folder = _gfortran_dir()
-        if folder is None:
+        folders = [str(f) for f in _gfortran_dirs()]
+        if not folders:
             return
-        env["LD_LIBRARY_PATH"] = ":".join(filter(None, [str(folder), env.get("LD_LIBRARY_PATH")]))
+        env["LD_LIBRARY_PATH"] = ":".join(filter(None, [*folders, env.get("LD_LIBRARY_PATH")]))
+    # A preloaded library that fails to load kills every process started with it, so try
+    # the environment on a bare interpreter first (~20 ms, and only on this rare path).
+    check = subprocess.run([sys.executable, "-S", "-c", ""], env=env, capture_output=True)
+    if check.returncode != 0:
+        _state["error"] = f"{why}; LD_PRELOAD failed too: {check.stderr.decode().strip()}"
+        return
     sys.stdout.flush()
     sys.stderr.flush()
     # orig_argv is the command line as typed (python, -m/-c or the script, the arguments).

@@ -162,12 +162,12 @@ def test_coretype_is_one_openblas_knows():
 @pytest.mark.skipif(sys.platform != "linux", reason="the gfortran link is for Linux wheels")
 def test_gfortran_link_points_at_mlx_bundled_copy(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECMLX_HOME", str(tmp_path))
-    folder = blas._gfortran_dir()
-    if folder is None:
+    folders = blas._gfortran_dirs()
+    if not folders:
         pytest.skip("this mlx wheel bundles no libgfortran")
-    link = folder / "libgfortran.so.5"
-    assert link.is_symlink() and "mlx_cpu.libs" in str(link.resolve())
-    assert blas._gfortran_dir() == folder  # idempotent
+    link = folders[0] / "libgfortran.so.5"
+    assert link.is_symlink() and link.resolve().parent == folders[1].resolve()
+    assert blas._gfortran_dirs() == folders  # idempotent
 
 
 # ---- the CLI's set-up, in fresh processes -----------------------------------------------
@@ -236,3 +236,29 @@ def test_reexec_guard_and_opt_outs():
     assert starts == 1 and not info["fast"]
     starts, info = run_probe(PRE_IMPORT_MLX="1", SPECMLX_FAST_BLAS="0")
     assert starts == 1 and not info["fast"]
+
+
+SYSTEM_GFORTRAN = Path("/usr/lib/x86_64-linux-gnu/libgfortran.so.5")
+
+
+@needs_fast_blas
+@pytest.mark.skipif(
+    not (hasattr(os, "geteuid") and os.geteuid() == 0 and SYSTEM_GFORTRAN.exists()),
+    reason="hiding the system libgfortran needs root and Debian's x86_64 layout",
+)
+def test_without_system_gfortran_the_cli_borrows_mlx_bundled_copy(tmp_path):
+    # As on a fresh machine with only pip: OpenBLAS needs libgfortran.so.5 and the system
+    # has none (hidden here by a bind mount in a private mount namespace).
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    hide = f"mount --bind /dev/null {SYSTEM_GFORTRAN.resolve()} && exec {sys.executable} {script}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPECMLX_", "LD_"))}
+    env.update(ARGS="[]", SPECMLX_THREADS="1", SPECMLX_HOME=str(tmp_path))
+    out = subprocess.run(
+        ["unshare", "-m", "sh", "-c", hide], env=env, capture_output=True, text=True, timeout=120
+    )
+    if "unshare" in out.stderr and out.returncode != 0:
+        pytest.skip(f"no private mount namespace here: {out.stderr.strip()}")
+    assert out.returncode == 0, out.stderr
+    info = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("INFO"))[5:])
+    assert info["fast"] and info["how"] == "LD_PRELOAD"
