@@ -25,6 +25,9 @@ DECAY = 0.9  # weight kept by old observations per new one: adapts within ~10 ro
 PRIOR_ALPHA = 0.6  # acceptance assumed at a position never tried, weighted as PRIOR_WEIGHT
 PRIOR_WEIGHT = 2.0
 FIRST_PROBE = 4  # draft length of the first measuring round
+# Speculate only when the forecast beats plain decoding by this much: timings on a busy
+# machine are noisy, and a marginal forecast that is wrong costs more than it can gain.
+MARGIN = 1.05
 
 
 def _ema(old: float | None, new: float) -> float:
@@ -138,7 +141,7 @@ class Scheduler:
             return Choice(min(FIRST_PROBE, self.max_gamma))
         rates = {g: self.rate(g) or 0.0 for g in range(self.max_gamma + 1)}
         best = max(rates, key=rates.get)
-        if best > 0:
+        if best > 0 and rates[best] >= MARGIN * rates[0]:
             self.rounds_since_probe = 0
             self.backoff = 16
             return Choice(best, predicted_tps=rates[best])

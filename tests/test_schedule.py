@@ -86,3 +86,11 @@ def test_expected_tokens_follow_the_per_position_acceptance():
 def test_costs_survive_a_round_trip_through_json():
     costs = Costs({1: 0.1, 5: 0.2}, 0.03)
     assert Costs.from_json(costs.to_json()) == costs
+
+
+def test_a_marginal_forecast_is_not_worth_speculating():
+    # γ = 1 forecast 2% faster than plain decoding: within timing noise, so stay plain.
+    s = warmed(lambda k: 0.3 * (1 + 0.3 * (k - 1)), draft_cost=0.05, alpha=0.5)
+    plain, one = s.rate(0), s.rate(1)
+    assert 1.0 < one / plain < 1.05
+    assert s.choose().gamma == 0
