@@ -930,6 +930,19 @@ def run_bench(
     }
 
 
+def read_result(path: Path) -> dict:
+    """A finished result written by `specmlx bench --json`, to render or plot again."""
+    try:
+        result = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SpecmlxError(f"cannot read bench result {path}: {e}") from None
+    if result.get("schema") != SCHEMA:
+        raise SpecmlxError(f"{path} is not a {SCHEMA} result (schema {result.get('schema')!r})")
+    if result.get("partial"):
+        raise SpecmlxError(f"{path} holds a run that did not finish; only its raw runs are kept")
+    return result
+
+
 # ---------------------------------------------------------------- plot
 
 
@@ -966,14 +979,14 @@ def plot(result: dict, path: Path) -> None:
         for ci, category in enumerate(categories):
             for fi, family in enumerate(families):
                 style, marker = STYLES[fi % len(STYLES)]
-                pts = sorted(
-                    (xpos[r["gamma"]], r["speedup_median"], r["tau"])
+                mine = [
+                    r
                     for r in rows
                     if r["family"] == family
                     and r["category"] == category
                     and r["temperature"] == temp
-                )
-                if not pts:
+                ]
+                if not mine:
                     continue
                 is_all = category == "all"
                 kw = {
@@ -983,9 +996,17 @@ def plot(result: dict, path: Path) -> None:
                     "linewidth": 2.5 if is_all else 1,
                     "label": f"{family} {category}",
                 }
-                xs = [p[0] for p in pts]
-                row[0].plot(xs, [p[1] for p in pts], **kw)
-                row[1].plot(xs, [p[2] for p in pts], **kw)
+                # fixed γs joined by a line; auto is a policy, not a point on that line
+                fixed = sorted((r for r in mine if r["gamma"] != "auto"), key=lambda r: r["gamma"])
+                for col, key in ((0, "speedup_median"), (1, "tau")):
+                    if fixed:
+                        row[col].plot([r["gamma"] for r in fixed], [r[key] for r in fixed], **kw)
+                    for r in mine:
+                        if r["gamma"] == "auto":
+                            auto_kw = {**kw, "marker": "*", "markersize": 11, "linestyle": "none"}
+                            if fixed:
+                                auto_kw.pop("label")
+                            row[col].plot([xpos["auto"]], [r[key]], **auto_kw)
         row[0].axhline(1.0, color="grey", linewidth=0.8)
         row[0].set_title(f"decode speedup vs target alone (median of pairs), T={temp:g}")
         row[1].set_title(f"τ: tokens per target forward, T={temp:g}")

@@ -220,6 +220,18 @@ def test_greedy_check_catches_a_planted_divergence(bench_run):
     assert row["greedy_divergent"] == 1 and row["greedy_checked"] == 2
 
 
+def test_a_saved_result_renders_and_plots_again(bench_run, tmp_path, capsys):
+    result, png = bench_run
+    saved = png.with_suffix(".json")
+    main(["bench", "--from-json", str(saved), "--plot", str(tmp_path / "again.png")])
+    assert "speedup" in capsys.readouterr().out
+    assert (tmp_path / "again.png").read_bytes()[:4] == b"\x89PNG"
+    partial = tmp_path / "partial.json"
+    partial.write_text(json.dumps({"schema": bench.SCHEMA, "partial": True, "runs": []}))
+    with pytest.raises(SpecmlxError, match="did not finish"):
+        bench.read_result(partial)
+
+
 def test_plot_without_matplotlib_is_a_clear_error(bench_run, monkeypatch, tmp_path, capsys):
     result, _ = bench_run
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError

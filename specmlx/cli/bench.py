@@ -120,11 +120,17 @@ def render(result: dict, console: Console) -> None:
     console.print(
         f"[dim]{m['cpu']} · {m['cores']} cores · {m['backend']} · mlx {m['mlx']} · "
         f"mlx-lm {m['mlx_lm']} · BLAS {m['blas']['active'] or 'not found'} · "
-        f"cold start {_num(cold.get('cold_start_s'))} s (imports {_num(cold.get('import_s'))}, "
-        f"weights {_num(cold.get('weights_s'))}) + first call {_num(cold['first_call_wall_s'])} s"
+        f"cold start {_num(cold.get('cold_start_s'))} s (weights {_num(cold.get('weights_s'))}) "
+        f"+ first call {_num(cold['first_call_wall_s'])} s"
         f" · peak RSS {result['memory']['rss_peak_bytes'] / 2**20:.0f} MB · "
         f"run {_duration(result['duration_s'])}[/dim]"
     )
+
+
+def _stdout_console() -> Console:
+    out = Console()
+    # logs and pipes: wide enough that the table is not wrapped
+    return out if out.is_terminal else Console(width=180)
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -180,6 +186,9 @@ def bench(
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Untimed first call per mode."),
     json_path: Path = typer.Option(None, "--json", help="Write every raw figure to this file."),
     plot_path: Path = typer.Option(None, "--plot", help="Write a PNG plot (needs matplotlib)."),
+    from_json: Path = typer.Option(
+        None, "--from-json", help="Render (and --plot) a saved --json result; run nothing."
+    ),
     suite_dir: Path = typer.Option(
         None, "--suite-dir", help="Prompt suite folder (default: the checkout's bench/prompts)."
     ),
@@ -188,6 +197,13 @@ def bench(
     from .. import bench as lib
 
     err = Console(stderr=True, soft_wrap=True)
+    if from_json is not None:
+        result = lib.read_result(from_json)
+        render(result, _stdout_console())
+        if plot_path is not None:
+            lib.plot(result, plot_path)
+            err.print(f"[dim]wrote {plot_path}[/dim]")
+        return
     preset = QUICK if quick else {}
     gamma = gamma or preset.get("gamma") or DEFAULTS["gamma"]
     auto = lib.supports_auto()
@@ -285,10 +301,7 @@ def bench(
     ]
     result["command"] = " ".join(part for part in parts if part)
     result["settings"].update(split=split, categories=categories, quick=quick)
-    out = Console()
-    if not out.is_terminal:  # logs and pipes: wide enough that the table is not wrapped
-        out = Console(width=180)
-    render(result, out)
+    render(result, _stdout_console())
     if json_path is not None:
         _write_json(json_path, result)
         log(f"wrote {json_path}")
