@@ -790,6 +790,8 @@ def describe_model(model: Model) -> dict:
         "dtype": model.dtype,
         "quantization": model.quantization,
         "description": model.describe(),
+        "cpu_weights": model.weights,  # "int4" | "fp32" (expanded for a fast BLAS) | ""
+        "cpu_weights_why": model.weights_why,
         # Which layer classes actually run (e.g. mlx's QuantizedLinear or a native kernel).
         "layer_types": dict(
             Counter(

@@ -172,6 +172,7 @@ def test_bench_end_to_end_json(bench_run, capsys):
     assert machine["backend"] == "cpu" and machine["mlx"] and machine["mlx_lm"] and machine["cpu"]
     assert set(machine["blas"]) == {"active", "mapped"}
     assert result["models"]["target"]["dtype"] == "float32"
+    assert isinstance(result["models"]["target"]["cpu_weights"], str)  # the tiny models: dense
     auto = ["specmlx:auto"] if bench.supports_auto() else []  # added when the engine has it
     modes = ["target", *auto, "specmlx:1", "specmlx:3", "mlx-lm:1", "mlx-lm:3"]
     assert result["settings"]["modes"] == modes

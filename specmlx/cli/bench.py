@@ -120,6 +120,7 @@ def render(result: dict, console: Console) -> None:
     console.print(
         f"[dim]{m['cpu']} · {m['cores']} cores · {m['backend']} · mlx {m['mlx']} · "
         f"mlx-lm {m['mlx_lm']} · BLAS {m['blas']['active'] or 'not found'} · "
+        f"CPU weights {result['models']['target'].get('cpu_weights') or '?'} · "
         f"cold start {_num(cold.get('cold_start_s'))} s (weights {_num(cold.get('weights_s'))}) "
         f"+ first call {_num(cold['first_call_wall_s'])} s"
         f" · peak RSS {result['memory']['rss_peak_bytes'] / 2**20:.0f} MB · "
@@ -145,6 +146,7 @@ def bench(
     model: str = options.Model,
     draft: str = options.Draft,
     dtype: str = options.Dtype,
+    cpu_weights: str = options.CpuWeights,
     gamma: str = typer.Option(
         None,
         "--gamma",
@@ -233,7 +235,7 @@ def bench(
                 "--plot needs matplotlib; install it with `pip install 'specmlx[bench]'`"
             ) from None
     log = lambda msg: err.print(f"[dim]{msg}[/dim]")  # noqa: E731
-    target, drafter, timings = options.load_timed(model, draft, False, dtype, log)
+    target, drafter, timings = options.load_timed(model, draft, False, dtype, log, cpu_weights)
     if drafter is None:
         raise options.SpecmlxError("bench needs a draft model: pass --draft")
     modes = lib.build_modes(
@@ -286,6 +288,7 @@ def bench(
     parts = [
         "specmlx bench",
         f"--model {target.path} --draft {drafter.path} --dtype {dtype}",
+        f"--cpu-weights {cpu_weights}",
         f"--gamma {','.join(str(g) for g in gammas)}",
         f"--draft-mode {','.join(draft_modes)}" if draft_modes != ["model"] else "",
         f"--temperature {','.join(f'{t:g}' for t in temps)}",
@@ -300,7 +303,9 @@ def bench(
         "" if warmup else "--no-warmup",
     ]
     result["command"] = " ".join(part for part in parts if part)
-    result["settings"].update(split=split, categories=categories, quick=quick)
+    result["settings"].update(
+        split=split, categories=categories, quick=quick, cpu_weights=cpu_weights
+    )
     render(result, _stdout_console())
     if json_path is not None:
         _write_json(json_path, result)
