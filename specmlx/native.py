@@ -1,8 +1,9 @@
-"""The native INT4 CPU matmul: availability, the op, and patching a model to use it.
+"""The native INT4/INT8 CPU matmul: availability, the op, and patching a model to use it.
 
 MLX's CPU `quantized_matmul` is a scalar single-threaded loop on x86 Linux. specmlx ships
 a C++ MLX primitive (specmlx/_native, see its README) that computes the same
-x @ dequantize(w)^T for 4-bit affine weights with AVX-512/AVX2 and a thread pool. It is
+x @ dequantize(w)^T for 4- and 8-bit affine weights (8 bits: the embeddings and output
+heads of specmlx-quantized checkpoints) with AVX-512/AVX2 and a thread pool. It is
 optional: when it is not built, was built for another mlx release, or the call is not one
 it handles (other bits or modes, a GPU stream), everything falls back to
 `mx.quantized_matmul`.
@@ -25,6 +26,7 @@ import mlx.nn as nn
 NATIVE_DIR = Path(__file__).parent / "_native"
 BUILD_INFO = "_ext_build.json"
 GROUP_SIZES = (32, 64, 128)
+BITS = (4, 8)
 FLOAT_TYPES = (mx.float32, mx.bfloat16, mx.float16)
 
 
@@ -69,7 +71,7 @@ _ext: ModuleType | None
 _ext, _reason = _load()
 if _ext is None and _platform_expects_native() and os.environ.get("SPECMLX_NATIVE") != "0":
     warnings.warn(
-        f"specmlx: native INT4 CPU kernel unavailable: {_reason}. "
+        f"specmlx: native quantized CPU kernel unavailable: {_reason}. "
         "Using mx.quantized_matmul (much slower on x86).",
         RuntimeWarning,
         stacklevel=2,
@@ -101,7 +103,7 @@ def describe() -> str:
     """One line for stats and benchmarks: which INT4 matmul runs, and how."""
     if _ext is None:
         return f"mx.quantized_matmul (native kernel unavailable: {_reason})"
-    return f"specmlx native INT4 ({_ext.isa()}, {_ext.threads()} threads)"
+    return f"specmlx native INT4/INT8 ({_ext.isa()}, {_ext.threads()} threads)"
 
 
 def supports(
@@ -117,7 +119,7 @@ def supports(
     """Whether this call can run on the native kernel."""
     return (
         _ext is not None
-        and bits == 4
+        and bits in BITS
         and mode == "affine"
         and transpose
         and group_size in GROUP_SIZES
@@ -126,7 +128,7 @@ def supports(
         and w.dtype == mx.uint32
         and w.ndim == 2
         and x.ndim >= 1
-        and x.shape[-1] == w.shape[1] * 8
+        and x.shape[-1] == w.shape[1] * 32 // bits
         and x.dtype in FLOAT_TYPES
         and scales.dtype in FLOAT_TYPES
         and biases.dtype == scales.dtype
@@ -144,7 +146,7 @@ def quantized_matmul(
 ) -> mx.array:
     """x @ dequantize(w, scales, biases).T: the native kernel where it applies, else MLX's."""
     if supports(x, w, scales, biases, group_size, bits, mode):
-        return _ext.quantized_matmul(x, w, scales, biases, group_size)
+        return _ext.quantized_matmul(x, w, scales, biases, group_size, bits)
     return mx.quantized_matmul(
         x,
         w,
@@ -192,7 +194,7 @@ class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
 
 def _qualifies(layer: nn.Module) -> bool:
     return (
-        layer.bits == 4
+        layer.bits in BITS
         and getattr(layer, "mode", "affine") == "affine"
         and layer.group_size in GROUP_SIZES
         and layer.get("biases") is not None
@@ -200,7 +202,7 @@ def _qualifies(layer: nn.Module) -> bool:
 
 
 def patch_model(module: nn.Module) -> int:
-    """Route the model's 4-bit affine QuantizedLinear / QuantizedEmbedding.as_linear layers
+    """Route the model's 4/8-bit affine QuantizedLinear / QuantizedEmbedding.as_linear layers
     through the native kernel; returns how many layers were patched (0 when unavailable).
 
     Layers keep their parameters and class ancestry (only __class__ changes to a subclass),

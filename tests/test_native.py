@@ -1,4 +1,4 @@
-"""The native INT4 CPU kernel: agreement with MLX, its layouts and threads, the fallbacks."""
+"""The native INT4/INT8 CPU kernel: agreement with MLX, layouts and threads, the fallbacks."""
 
 import json
 import platform
@@ -27,10 +27,11 @@ def quantized(n, k, group_size=64, bits=4, dtype=mx.float32, seed=0):
     return w, scales.astype(dtype), biases.astype(dtype)
 
 
-def truth(x, w, scales, biases, group_size):
+def truth(x, w, scales, biases, group_size, bits=4):
     """x @ dequant(w).T in float32 from float32 operands: what both kernels approximate."""
     f32 = mx.float32
-    dense = mx.dequantize(w, scales.astype(f32), biases.astype(f32), group_size=group_size, bits=4)
+    s, b = scales.astype(f32), biases.astype(f32)
+    dense = mx.dequantize(w, s, b, group_size=group_size, bits=bits)
     return x.astype(f32) @ dense.T
 
 
@@ -54,15 +55,16 @@ def each_isa():
 
 
 @needs_native
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("m", range(1, 18))
-def test_matches_mlx_every_row_count(m, group_size, each_isa):
-    w, s, b = quantized(37, 3 * group_size, group_size)  # odd N: a lone last output row
+def test_matches_mlx_every_row_count(m, group_size, bits, each_isa):
+    w, s, b = quantized(37, 3 * group_size, group_size, bits)  # odd N: a lone last row
     x = mx.random.normal((m, 3 * group_size))
-    ref = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=group_size, bits=4)
+    ref = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=group_size, bits=bits)
     for isa in each_isa:
         native._ext.set_isa(isa)
-        out = native.quantized_matmul(x, w, s, b, group_size)
+        out = native.quantized_matmul(x, w, s, b, group_size, bits)
         assert out.shape == ref.shape and out.dtype == ref.dtype
         assert rel_err(out, ref) < 2e-5, isa
 
@@ -77,16 +79,17 @@ def test_odd_shapes(n, k):
 
 
 @needs_native
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("x_dtype", FLOATS)
 @pytest.mark.parametrize("scale_dtype", FLOATS)
-def test_dtypes(x_dtype, scale_dtype, each_isa):
-    w, s, b = quantized(40, 256, 64, dtype=scale_dtype)
+def test_dtypes(x_dtype, scale_dtype, bits, each_isa):
+    w, s, b = quantized(40, 256, 64, bits, dtype=scale_dtype)
     x = mx.random.normal((3, 256)).astype(x_dtype)
-    expected = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4).dtype
-    want = truth(x, w, s, b, 64)
+    expected = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=bits).dtype
+    want = truth(x, w, s, b, 64, bits)
     for isa in each_isa:
         native._ext.set_isa(isa)
-        out = native.quantized_matmul(x, w, s, b, 64)
+        out = native.quantized_matmul(x, w, s, b, 64, bits)
         assert out.dtype == expected  # promote_types(x, scales), as MLX does
         assert rel_err(out, want) < tol(out.dtype), isa
 
@@ -168,11 +171,13 @@ def test_bad_operands_raise():
         native._ext.quantized_matmul(mx.zeros((2, 64)), w, s, b, 64)  # wrong K
     with pytest.raises(ValueError):
         native._ext.quantized_matmul(mx.zeros((2, 128)), w, s, b, 48)  # group size
+    with pytest.raises(ValueError):
+        native._ext.quantized_matmul(mx.zeros((2, 128)), w, s, b, 64, 5)  # bits
 
 
 def test_unsupported_calls_fall_back_to_mlx():
     x = mx.random.normal((3, 128))
-    for bits in (2, 8):
+    for bits in (2, 3, 6):
         w, s, b = quantized(16, 128, bits=bits)
         assert not native.supports(x, w, s, b, 64, bits)
         ref = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=bits)
@@ -252,7 +257,7 @@ def test_patch_model_keeps_outputs(quantized_tiny):
 @needs_native
 def test_patch_model_skips_other_layers():
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64))
-    nn.quantize(model, group_size=64, bits=8)
+    nn.quantize(model, group_size=64, bits=6)
     assert native.patch_model(model) == 0
     embed = nn.QuantizedEmbedding(100, 64, group_size=64, bits=4)
     assert native.patch_model(embed) == 1

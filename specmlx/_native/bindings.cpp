@@ -23,13 +23,15 @@ NB_MODULE(_ext, m) {
          const specmlx::mx::array& w,
          const specmlx::mx::array& scales,
          const specmlx::mx::array& biases,
-         int group_size) { return specmlx::quantized_matmul(x, w, scales, biases, group_size); },
+         int group_size,
+         int bits) { return specmlx::quantized_matmul(x, w, scales, biases, group_size, bits); },
       "x"_a,
       "w"_a,
       "scales"_a,
       "biases"_a,
       "group_size"_a = 64,
-      "x @ dequantize(w, scales, biases).T for 4-bit affine weights on the default CPU stream.");
+      "bits"_a = 4,
+      "x @ dequantize(w, scales, biases).T for 4/8-bit affine weights on the default CPU stream.");
   m.def("threads", &specmlx::threads, "Size of the kernel's thread pool.");
   m.def("set_threads", &specmlx::set_threads, "n"_a, "Resize the kernel's thread pool.");
   m.def("isa", &specmlx::isa, "The instruction set the kernel runs with.");

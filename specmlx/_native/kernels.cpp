@@ -1,9 +1,10 @@
-// The INT4 kernels. Every ISA-specific function carries a target attribute, so the file
+// The INT4 (and INT8) kernels. Every ISA-specific function carries a target attribute, so the file
 // is compiled for baseline x86-64 and the AVX2/AVX-512 code runs only after detect_isa()
 // found the CPU supports it (never -march=native: the .so must run on any x86-64).
 //
 // Layout recap (MLX affine, 4 bits): row n of W is K/8 uint32 words; code k sits in bits
 // 4*(k%8)..4*(k%8)+3 of word k/8, and dequantizes to scales[n][k/gs] * code + biases[n][k/gs].
+// With 8 bits a row is K/4 words, i.e. simply K bytes in k order.
 #include "kernels.h"
 
 #include <immintrin.h>
@@ -39,27 +40,25 @@ inline float scale_at(const void* p, size_t i, ScaleType t) {
 using TileFn = void (*)(const QmmJob&, int n, int rows, int m0);
 
 // ---------------------------------------------------------------------------------------
-// Scalar: per group a 16-entry table scale * q + bias, then plain multiply-adds. Used on
-// CPUs without AVX2 and as the reference for the vector paths' layout.
+// Scalar: plain multiply-adds on unpacked x, for CPUs without AVX2 and as the reference
+// for the vector paths' layouts.
 constexpr int kScalarMaxRows = 4;
 
 void tile_scalar(const QmmJob& j, int n, int rows, int m0, int mt) {
-  const int words = j.K / 8, groups = j.K / j.group_size, gwords = j.group_size / 8;
+  const int per_word = 32 / j.bits, words = j.K / per_word, groups = j.K / j.group_size;
+  const int gwords = j.group_size / per_word;
+  const uint32_t mask = (1u << j.bits) - 1;
   for (int r = 0; r < rows; ++r) {
     const uint32_t* w = j.w + size_t(n + r) * words;
     float acc[kScalarMaxRows] = {};
     for (int g = 0; g < groups; ++g) {
       const size_t si = size_t(n + r) * groups + g;
       const float s = scale_at(j.scales, si, j.stype), b = scale_at(j.biases, si, j.stype);
-      float table[16];
-      for (int q = 0; q < 16; ++q) {
-        table[q] = s * float(q) + b;
-      }
       for (int i = 0; i < gwords; ++i) {
         const uint32_t word = w[g * gwords + i];
-        const int k = (g * gwords + i) * 8;
-        for (int c = 0; c < 8; ++c) {
-          const float v = table[(word >> (4 * c)) & 15];
+        const int k = (g * gwords + i) * per_word;
+        for (int c = 0; c < per_word; ++c) {
+          const float v = s * float((word >> (j.bits * c)) & mask) + b;
           for (int m = 0; m < mt; ++m) {
             acc[m] += v * j.x[size_t(m0 + m) * j.ldx + k + c];
           }
@@ -245,7 +244,95 @@ SPECMLX_AVX2 void tile_avx2(const QmmJob& j, int n, int rows, int m0) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Tables of instantiations: [group size 32/64/128][MT - 1].
+// 8 bits: codes are bytes in k order, so x needs no packing; widen 16 (8) bytes to
+// int32 lanes, convert, scale with one FMA. A 256-entry table would not fit a register,
+// and 8-bit weights are twice the bytes, so these tiles are bound by memory anyway.
+template <int MT>
+SPECMLX_AVX512 void tile8_avx512(const QmmJob& j, int n, int rows, int m0) {
+  const int gs = j.group_size, groups = j.K / gs;
+  const int n1 = n + rows - 1;
+  const uint8_t* w0 = reinterpret_cast<const uint8_t*>(j.w) + size_t(n) * j.K;
+  const uint8_t* w1 = reinterpret_cast<const uint8_t*>(j.w) + size_t(n1) * j.K;
+  const size_t s0 = size_t(n) * groups, s1 = size_t(n1) * groups;
+  const float* x = j.x + size_t(m0) * j.ldx;
+  __m512 acc0[MT], acc1[MT];
+  for (int m = 0; m < MT; ++m) {
+    acc0[m] = _mm512_setzero_ps();
+    acc1[m] = _mm512_setzero_ps();
+  }
+  for (int g = 0; g < groups; ++g) {
+    _mm_prefetch(reinterpret_cast<const char*>(w0 + size_t(g + 4) * gs), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w1 + size_t(g + 4) * gs), _MM_HINT_T0);
+    const __m512 sc0 = _mm512_set1_ps(scale_at(j.scales, s0 + g, j.stype));
+    const __m512 bi0 = _mm512_set1_ps(scale_at(j.biases, s0 + g, j.stype));
+    const __m512 sc1 = _mm512_set1_ps(scale_at(j.scales, s1 + g, j.stype));
+    const __m512 bi1 = _mm512_set1_ps(scale_at(j.biases, s1 + g, j.stype));
+    for (int k = g * gs; k < (g + 1) * gs; k += 16) {
+      const __m512 f0 = _mm512_fmadd_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w0 + k)))),
+          sc0, bi0);
+      const __m512 f1 = _mm512_fmadd_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w1 + k)))),
+          sc1, bi1);
+      for (int m = 0; m < MT; ++m) {
+        const __m512 xm = _mm512_loadu_ps(x + size_t(m) * j.ldx + k);
+        acc0[m] = _mm512_fmadd_ps(f0, xm, acc0[m]);
+        acc1[m] = _mm512_fmadd_ps(f1, xm, acc1[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    float* y = j.y + size_t(m0 + m) * j.N;
+    y[n] = _mm512_reduce_add_ps(acc0[m]);
+    if (rows == 2) {
+      y[n1] = _mm512_reduce_add_ps(acc1[m]);
+    }
+  }
+}
+
+template <int MT>
+SPECMLX_AVX2 void tile8_avx2(const QmmJob& j, int n, int rows, int m0) {
+  const int gs = j.group_size, groups = j.K / gs;
+  const int n1 = n + rows - 1;
+  const uint8_t* w0 = reinterpret_cast<const uint8_t*>(j.w) + size_t(n) * j.K;
+  const uint8_t* w1 = reinterpret_cast<const uint8_t*>(j.w) + size_t(n1) * j.K;
+  const size_t s0 = size_t(n) * groups, s1 = size_t(n1) * groups;
+  const float* x = j.x + size_t(m0) * j.ldx;
+  __m256 acc0[MT], acc1[MT];
+  for (int m = 0; m < MT; ++m) {
+    acc0[m] = _mm256_setzero_ps();
+    acc1[m] = _mm256_setzero_ps();
+  }
+  for (int g = 0; g < groups; ++g) {
+    const __m256 sc0 = _mm256_set1_ps(scale_at(j.scales, s0 + g, j.stype));
+    const __m256 bi0 = _mm256_set1_ps(scale_at(j.biases, s0 + g, j.stype));
+    const __m256 sc1 = _mm256_set1_ps(scale_at(j.scales, s1 + g, j.stype));
+    const __m256 bi1 = _mm256_set1_ps(scale_at(j.biases, s1 + g, j.stype));
+    for (int k = g * gs; k < (g + 1) * gs; k += 8) {
+      const __m256 f0 = _mm256_fmadd_ps(
+          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w0 + k)))),
+          sc0, bi0);
+      const __m256 f1 = _mm256_fmadd_ps(
+          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w1 + k)))),
+          sc1, bi1);
+      for (int m = 0; m < MT; ++m) {
+        const __m256 xm = _mm256_loadu_ps(x + size_t(m) * j.ldx + k);
+        acc0[m] = _mm256_fmadd_ps(f0, xm, acc0[m]);
+        acc1[m] = _mm256_fmadd_ps(f1, xm, acc1[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    float* y = j.y + size_t(m0 + m) * j.N;
+    y[n] = hsum256(acc0[m]);
+    if (rows == 2) {
+      y[n1] = hsum256(acc1[m]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Tables of instantiations: [group size 32/64/128][MT - 1] for 4 bits, [MT - 1] for 8.
 template <template <int, int> class K, int G, int... MT>
 constexpr std::array<TileFn, sizeof...(MT)> tiles_for(std::integer_sequence<int, MT...>) {
   return {&K<MT + 1, G>::run...};
@@ -263,6 +350,25 @@ struct Avx2Tile {
     tile_avx2<MT, G>(j, n, rows, m0);
   }
 };
+
+template <int MT, int G>
+struct Avx512Tile8 {
+  static void run(const QmmJob& j, int n, int rows, int m0) {
+    tile8_avx512<MT>(j, n, rows, m0);
+  }
+};
+template <int MT, int G>
+struct Avx2Tile8 {
+  static void run(const QmmJob& j, int n, int rows, int m0) {
+    tile8_avx2<MT>(j, n, rows, m0);
+  }
+};
+
+template <template <int, int> class K, int MaxRows>
+TileFn pick_tile8(int mt) {
+  static constexpr auto table = tiles_for<K, 0>(std::make_integer_sequence<int, MaxRows>{});
+  return table[mt - 1];
+}
 
 template <template <int, int> class K, int MaxRows>
 TileFn pick_tile(int group_size, int mt) {
@@ -336,10 +442,12 @@ void qmm_rows(Isa isa, const QmmJob& j, int n0, int n1) {
         const int mt = std::min(tile_rows, mb_end - m0);
         switch (isa) {
           case Isa::avx512:
-            pick_tile<Avx512Tile, kAvx512MaxRows>(j.group_size, mt)(j, n, rows, m0);
+            (j.bits == 4 ? pick_tile<Avx512Tile, kAvx512MaxRows>(j.group_size, mt)
+                         : pick_tile8<Avx512Tile8, kAvx512MaxRows>(mt))(j, n, rows, m0);
             break;
           case Isa::avx2:
-            pick_tile<Avx2Tile, kAvx2MaxRows>(j.group_size, mt)(j, n, rows, m0);
+            (j.bits == 4 ? pick_tile<Avx2Tile, kAvx2MaxRows>(j.group_size, mt)
+                         : pick_tile8<Avx2Tile8, kAvx2MaxRows>(mt))(j, n, rows, m0);
             break;
           case Isa::scalar:
             tile_scalar(j, n, rows, m0, mt);

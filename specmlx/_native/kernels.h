@@ -1,4 +1,4 @@
-// INT4 x fp32 matrix-vector/matrix kernels: y = x @ dequant(W)^T for MLX's affine 4-bit layout.
+// INT4/INT8 x fp32 matrix kernels: y = x @ dequant(W)^T for MLX's affine 4/8-bit layouts.
 #pragma once
 
 #include <cstddef>
@@ -9,16 +9,16 @@ namespace specmlx {
 enum class ScaleType { f32, bf16, f16 };
 enum class Isa { scalar, avx2, avx512 };
 
-// One matmul's operands. x has already been converted to fp32 and packed into the ISA's
-// lane order (see pack_index in qmm.cpp); y is fp32, M x N row-major.
+// One matmul's operands. x has already been converted to fp32 (and, for 4 bits, packed into
+// the ISA's lane order: see pack_index in qmm.cpp); y is fp32, M x N row-major.
 struct QmmJob {
   const float* x;      // M rows of K, ldx floats apart
-  const uint32_t* w;   // N x K/8: code k of a row is bits 4*(k%8).. of word k/8
+  const uint32_t* w;   // N x K*bits/32: code k of a row is bits b*(k%(32/b)).. of word k/(32/b)
   const void* scales;  // N x K/group_size
   const void* biases;  // N x K/group_size, same type as scales
   ScaleType stype;
   float* y;  // M x N
-  int M, N, K, group_size;
+  int M, N, K, group_size, bits;
   int ldx;  // row stride of x, padded past K (see row_stride in qmm.cpp)
 };
 

@@ -95,7 +95,7 @@ struct Call {
   ScaleType stype;
   void* out;
   mx::Dtype out_type;
-  int M, N, K, group_size;
+  int M, N, K, group_size, bits;
 };
 
 void run(const Call& c) {
@@ -106,10 +106,13 @@ void run(const Call& c) {
   const size_t x_elems = size_t(c.M) * ldx, y_elems = size_t(c.M) * c.N;
 
   float* xp = scratch(x_buf, x_cap, x_elems);
-  pack_any(c.x, c.x_type, xp, c.M, c.K, ldx, c.group_size, isa_lanes(isa));
+  // 8-bit codes come out of memory in k order, so their x stays in k order too.
+  const int lanes = c.bits == 4 ? isa_lanes(isa) : 1;
+  pack_any(c.x, c.x_type, xp, c.M, c.K, ldx, c.group_size, lanes);
   float* y = c.out_type == mx::float32 ? static_cast<float*>(c.out) : scratch(y_buf, y_cap, y_elems);
 
-  const QmmJob job{xp, c.w, c.scales, c.biases, c.stype, y, c.M, c.N, c.K, c.group_size, ldx};
+  const QmmJob job{
+      xp, c.w, c.scales, c.biases, c.stype, y, c.M, c.N, c.K, c.group_size, c.bits, ldx};
   auto& pool = ThreadPool::instance();
   const int pairs = (c.N + 1) / 2;
   const size_t work = size_t(c.N) * c.K * size_t(c.M + 2);
@@ -128,7 +131,7 @@ void run(const Call& c) {
 
 } // namespace
 
-void QuantizedMatmul4::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const auto& x = inputs[0];
   const auto& w = inputs[1];
   const auto& scales = inputs[2];
@@ -150,7 +153,8 @@ void QuantizedMatmul4::eval_cpu(const std::vector<mx::array>& inputs, mx::array&
       int(x.size() / K),
       w.shape(0),
       K,
-      group_size_};
+      group_size_,
+      bits_};
   // The op made every input row-contiguous, so raw pointers describe them fully. MLX keeps
   // input and output buffers alive until the stream has run this task.
   auto& encoder = mx::cpu::get_command_encoder(stream());
@@ -162,15 +166,16 @@ void QuantizedMatmul4::eval_cpu(const std::vector<mx::array>& inputs, mx::array&
   encoder.dispatch([call] { run(call); });
 }
 
-void QuantizedMatmul4::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+void QuantizedMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
   throw std::runtime_error("[specmlx] the native INT4 matmul has no GPU kernel");
 }
 
-bool QuantizedMatmul4::is_equivalent(const mx::Primitive& other) const {
-  return group_size_ == static_cast<const QuantizedMatmul4&>(other).group_size_;
+bool QuantizedMatmul::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const QuantizedMatmul&>(other);
+  return group_size_ == o.group_size_ && bits_ == o.bits_;
 }
 
-std::vector<mx::Shape> QuantizedMatmul4::output_shapes(const std::vector<mx::array>& inputs) {
+std::vector<mx::Shape> QuantizedMatmul::output_shapes(const std::vector<mx::array>& inputs) {
   auto shape = inputs[0].shape();
   shape.back() = inputs[1].shape(0);
   return {shape};
@@ -182,6 +187,7 @@ mx::array quantized_matmul(
     const mx::array& scales,
     const mx::array& biases,
     int group_size,
+    int bits,
     mx::StreamOrDevice s) {
   const auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu) {
@@ -190,10 +196,13 @@ mx::array quantized_matmul(
   if (group_size != 32 && group_size != 64 && group_size != 128) {
     throw std::invalid_argument("[specmlx] group_size must be 32, 64 or 128");
   }
-  if (w.dtype() != mx::uint32 || w.ndim() != 2) {
-    throw std::invalid_argument("[specmlx] w must be a 2-D uint32 array of packed 4-bit codes");
+  if (bits != 4 && bits != 8) {
+    throw std::invalid_argument("[specmlx] bits must be 4 or 8");
   }
-  const int N = w.shape(0), K = w.shape(1) * 8;
+  if (w.dtype() != mx::uint32 || w.ndim() != 2) {
+    throw std::invalid_argument("[specmlx] w must be a 2-D uint32 array of packed codes");
+  }
+  const int N = w.shape(0), K = w.shape(1) * (32 / bits);
   if (x.ndim() < 1 || x.shape(-1) != K || !is_float(x.dtype())) {
     throw std::invalid_argument(
         "[specmlx] x must be float32/bfloat16/float16 with last dimension " + std::to_string(K));
@@ -209,7 +218,7 @@ mx::array quantized_matmul(
   return mx::array(
       std::move(out_shape),
       mx::promote_types(x.dtype(), scales.dtype()),
-      std::make_shared<QuantizedMatmul4>(stream, group_size),
+      std::make_shared<QuantizedMatmul>(stream, group_size, bits),
       {mx::contiguous(x, false, stream),
        mx::contiguous(w, false, stream),
        mx::contiguous(scales, false, stream),

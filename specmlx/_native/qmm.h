@@ -1,4 +1,5 @@
-// The MLX op and primitive: y = x @ dequantize(w, scales, biases)^T for 4-bit affine weights.
+// The MLX op and primitive: y = x @ dequantize(w, scales, biases)^T for 4- and 8-bit
+// affine weights.
 #pragma once
 
 #include "mlx/mlx.h"
@@ -8,33 +9,35 @@ namespace specmlx {
 
 namespace mx = mlx::core;
 
-// x: (..., K) float32/bfloat16/float16; w: (N, K/8) uint32; scales, biases: (N, K/group_size)
-// float32/bfloat16/float16. Returns (..., N) in promote_types(x, scales), like
-// mx.quantized_matmul(..., transpose=True, bits=4). CPU streams only.
+// x: (..., K) float32/bfloat16/float16; w: (N, K*bits/32) uint32; scales, biases:
+// (N, K/group_size) float32/bfloat16/float16. Returns (..., N) in promote_types(x, scales),
+// like mx.quantized_matmul(..., transpose=True, bits=bits). CPU streams only.
 mx::array quantized_matmul(
     const mx::array& x,
     const mx::array& w,
     const mx::array& scales,
     const mx::array& biases,
     int group_size,
+    int bits,
     mx::StreamOrDevice s = {});
 
-class QuantizedMatmul4 : public mx::UnaryPrimitive {
+class QuantizedMatmul : public mx::UnaryPrimitive {
  public:
-  QuantizedMatmul4(mx::Stream stream, int group_size)
-      : mx::UnaryPrimitive(stream), group_size_(group_size) {}
+  QuantizedMatmul(mx::Stream stream, int group_size, int bits)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
 
   const char* name() const override {
-    return "SpecmlxQuantizedMatmul4";
+    return "SpecmlxQuantizedMatmul";
   }
   bool is_equivalent(const mx::Primitive& other) const override;
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
 
  private:
   int group_size_;
+  int bits_;
 };
 
 // Settings visible from Python (for tests and benchmarks).
