@@ -76,15 +76,21 @@ class ModelDrafter:
         del self.cached[keep:]
         self.pending = tokens[keep:]
 
+    def catch_up(self) -> int:
+        """Feed all pending tokens but the last through the draft; return how many."""
+        backlog, self.pending = self.pending[:-1], self.pending[-1:]
+        prefill(self.model, self.cache, backlog)
+        self.cached += backlog
+        return len(backlog)
+
     def propose(self, g: int, key: mx.array, draw) -> tuple[mx.array, mx.array]:
         """(g,) tokens and their (g, V) distributions, lazily (nothing is synced here).
 
         `draw(logits, key) -> (probs, token)` is the compiled sampler for this call.
         """
         self.fed = len(self.pending) + g - 1  # tokens this proposal runs through the draft
-        backlog, self.pending = self.pending[:-1], self.pending[-1:]
-        prefill(self.model, self.cache, backlog)
-        self.cached += backlog + self.pending
+        self.catch_up()
+        self.cached += self.pending
         x = mx.array(self.pending, mx.uint32)
         tokens, qs = [], []
         for k in mx.random.split(key, g):

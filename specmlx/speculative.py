@@ -44,7 +44,7 @@ class Stats:
     rounds_by_gamma: dict[int, int] = field(default_factory=dict)  # the γ actually used
     rounds_by_source: dict[str, int] = field(default_factory=dict)  # model/lookup/probe/plain
     predicted_tps: float = 0.0  # the cost model's forecast for its last choice (auto only)
-    prefill_time: float = 0.0  # both models' prompt processing, seconds
+    prefill_time: float = 0.0  # both models' prompt processing (the draft's too), seconds
     draft_time: float = 0.0
     verify_time: float = 0.0
     decode_time: float = 0.0  # first round to last token, seconds
@@ -252,6 +252,8 @@ def _decode(
     stats.prefill_tokens = sync_cache(target, cache, cached, ids[:-1])
     if model_drafter is not None and speculate:
         model_drafter.prefill(ids)
+        if gamma != "auto":
+            model_drafter.catch_up()  # it will draft: take its prompt now, as prefill
     stats.prefill_time = time.perf_counter() - start
     verify = make_verifier(params, vocab)
     draw = make_sampler(params, vocab)
@@ -260,7 +262,9 @@ def _decode(
     key = mx.random.key(seed)
     last = ids[-1]
     block = []
+    prompt_pending = model_drafter is not None and gamma == "auto"  # draft prompt not fed yet
     decode_start = time.perf_counter()
+    not_decode = 0.0  # the draft's prompt prefill when auto γ starts drafting mid-decode
 
     while stats.tokens < max_tokens:
         key, round_key = mx.random.split(key)
@@ -271,6 +275,14 @@ def _decode(
         if g > 0:
             draft_key, verify_key = mx.random.split(round_key)
             if source == "model":
+                if prompt_pending:  # the draft's prompt is prefill, not decode, time
+                    prompt_part = len(model_drafter.pending) - stats.tokens
+                    fed = model_drafter.catch_up()
+                    prompt_pending = False
+                    moved = (time.perf_counter() - t0) * min(prompt_part, fed) / max(fed, 1)
+                    stats.prefill_time += moved
+                    not_decode += moved
+                    t0 += moved
                 draft_tokens, q = model_drafter.propose(g, draft_key, draw)
             else:  # lookup, or a cost probe's free guesses (the last token repeated)
                 guesses = lookup.find(g) if lookup is not None else []
@@ -324,7 +336,7 @@ def _decode(
             yield Step(t, detok.last_segment, i < n)
             if stats.tokens == max_tokens:
                 break
-        stats.decode_time = time.perf_counter() - decode_start
+        stats.decode_time = time.perf_counter() - decode_start - not_decode
         if stats.finish_reason:
             break
     stats.finish_reason = stats.finish_reason or "length"
