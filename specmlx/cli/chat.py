@@ -54,6 +54,7 @@ class Settings:
     max_tokens: int
     seed: int
     draft_on: bool
+    draft_mode: str = "model"
 
 
 @app.command()
@@ -66,13 +67,14 @@ def chat(
     top_p: float = options.TopP,
     top_k: int = options.TopK,
     gamma: str = options.Gamma,
+    draft_mode: str = options.DraftMode,
     seed: int = options.Seed,
     dtype: str = options.Dtype,
     cpu_weights: str = options.CpuWeights,
     system: str = options.System,
 ) -> None:
     """Chat with a model, speculatively when a draft is given; /help lists the commands."""
-    num_draft = options.check_settings(max_tokens, temperature, top_p, top_k, gamma)
+    num_draft = options.check_settings(max_tokens, temperature, top_p, top_k, gamma, draft_mode)
     err = Console(stderr=True, soft_wrap=True, highlight=False)
     out = Console(soft_wrap=True, highlight=False)
 
@@ -88,7 +90,9 @@ def chat(
         note(line)
     note("/help for commands, Ctrl-D or /exit to quit")
     session = Session(target, drafter)
-    settings = Settings(temperature, top_p, top_k, num_draft, max_tokens, seed, drafter is not None)
+    settings = Settings(
+        temperature, top_p, top_k, num_draft, max_tokens, seed, drafter is not None, draft_mode
+    )
     convo = Conversation(system=system)
     totals = Stats()
     ask = terminal_input() if sys.stdin.isatty() else piped_input
@@ -129,11 +133,11 @@ def reply(message, session, settings, convo, totals, out: Console, note) -> None
             style="yellow",
         )
         return
-    gen, _ = options.start_generation(
-        generate,
+    gen = generate(
         target,
         ids,
-        settings.gamma if settings.draft_on else 0,
+        num_draft=settings.gamma if settings.draft_on else 0,
+        draft_mode=settings.draft_mode,
         draft=session.draft if settings.draft_on else None,
         session=session,
         max_tokens=min(settings.max_tokens, room),

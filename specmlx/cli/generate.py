@@ -27,6 +27,7 @@ def generate(
     top_p: float = options.TopP,
     top_k: int = options.TopK,
     gamma: str = options.Gamma,
+    draft_mode: str = options.DraftMode,
     seed: int = options.Seed,
     dtype: str = options.Dtype,
     cpu_weights: str = options.CpuWeights,
@@ -35,7 +36,7 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
 ) -> None:
     """Generate a reply to one prompt, speculatively when a draft is given."""
-    num_draft = options.check_settings(max_tokens, temperature, top_p, top_k, gamma)
+    num_draft = options.check_settings(max_tokens, temperature, top_p, top_k, gamma, draft_mode)
     text = options.read_prompt(prompt, prompt_file)
     err = Console(stderr=True, soft_wrap=True, highlight=False)
     log = (lambda msg: None) if as_json else (lambda msg: err.print(f"[dim]{msg}[/dim]"))
@@ -55,11 +56,11 @@ def generate(
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     else:
         ids = text
-    gen, num_draft = options.start_generation(
-        run,
+    gen = run(
         target,
         ids,
-        num_draft,
+        num_draft=num_draft,
+        draft_mode=draft_mode,
         draft=drafter,
         max_tokens=max_tokens,
         temperature=temperature,

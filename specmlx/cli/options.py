@@ -19,8 +19,26 @@ MaxTokens = typer.Option(256, "--max-tokens", "-n", help="Maximum tokens to gene
 Temperature = typer.Option(0.0, "--temperature", "-t", help="0 = greedy.")
 TopP = typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1].")
 TopK = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = all).")
-Gamma = typer.Option("4", "--gamma", "-g", help="Draft tokens per round: an integer >= 0, or auto.")
-Seed = typer.Option(0, "--seed", "-s", help="Random seed; the same seed gives the same output.")
+Gamma = typer.Option(
+    "auto",
+    "--gamma",
+    "-g",
+    help="Draft tokens per round: an integer >= 0, or auto (chosen each round from measured "
+    "costs and acceptance; plain decoding where speculation would lose).",
+)
+DraftMode = typer.Option(
+    "model",
+    "--draft-mode",
+    help="Where drafts come from: model (the draft model), lookup (n-grams of the prompt and "
+    "output; no draft model needed), auto (lookup when the context has a match, else model).",
+)
+Seed = typer.Option(
+    0,
+    "--seed",
+    "-s",
+    help="Random seed: the same seed gives the same output at temperature 0 or with a fixed "
+    "--gamma (auto follows timings, so it repeats the distribution, not the sample).",
+)
 Dtype = typer.Option("auto", "--dtype", help="auto (float32 on CPU), float32, float16, bfloat16.")
 CpuWeights = typer.Option(
     "auto",
@@ -29,9 +47,6 @@ CpuWeights = typer.Option(
     "on a fast BLAS), auto (fp32 when a fast BLAS is active and memory allows).",
 )
 System = typer.Option(None, "--system", help="System prompt (uses the model's chat template).")
-
-# What --gamma auto becomes when the engine has no automatic policy to hand it to.
-DEFAULT_GAMMA = 4
 
 
 def parse_gamma(text: str) -> int | str:
@@ -48,32 +63,17 @@ def parse_gamma(text: str) -> int | str:
 
 
 def check_settings(
-    max_tokens: int, temperature: float, top_p: float, top_k: int, gamma: str
+    max_tokens: int, temperature: float, top_p: float, top_k: int, gamma: str, draft_mode: str
 ) -> int | str:
     """Validate the generation flags before anything slow is loaded; return γ parsed."""
     from ..sampling import SamplingParams
 
     SamplingParams(temperature, top_p, top_k)
+    if draft_mode not in ("model", "lookup", "auto"):
+        raise SpecmlxError(f"--draft-mode must be model, lookup or auto, got {draft_mode!r}")
     if max_tokens < 1:
         raise SpecmlxError(f"--max-tokens must be >= 1, got {max_tokens}")
     return parse_gamma(gamma)
-
-
-def start_generation(run, target, prompt, gamma: int | str, **kwargs):
-    """Call the engine's `generate`, passing γ = auto through when the engine supports it.
-
-    An engine without an automatic γ policy rejects "auto" with a SpecmlxError that
-    names num_draft; then the fixed DEFAULT_GAMMA is used instead.
-    Returns (generation, the γ actually requested).
-    """
-    if gamma == "auto":
-        try:
-            return run(target, prompt, num_draft="auto", **kwargs), "auto"
-        except SpecmlxError as e:
-            if "num_draft" not in str(e):
-                raise
-            gamma = DEFAULT_GAMMA
-    return run(target, prompt, num_draft=gamma, **kwargs), gamma
 
 
 def load_pair(
