@@ -40,9 +40,19 @@ class Costs:
 
     target: dict[int, float] = field(default_factory=dict)
     draft_per_token: float | None = None
+    # What this process has measured itself; figures loaded from the cache are only a
+    # starting point, replaced (not blended) by the first fresh measurement.
+    fresh: set = field(default_factory=set, compare=False, repr=False)
 
     def observe_target(self, k: int, seconds: float) -> None:
-        self.target[k] = _ema(self.target.get(k), seconds)
+        old = self.target.get(k) if k in self.fresh else None
+        self.target[k] = _ema(old, seconds)
+        self.fresh.add(k)
+
+    def observe_draft(self, seconds_per_token: float) -> None:
+        old = self.draft_per_token if "draft" in self.fresh else None
+        self.draft_per_token = _ema(old, seconds_per_token)
+        self.fresh.add("draft")
 
     def target_time(self, k: int) -> float | None:
         """T(k): measured if seen, else the least-squares line through what was seen."""
@@ -121,6 +131,9 @@ class Scheduler:
     acceptance: Acceptance = field(default_factory=Acceptance)
     rounds_since_probe: int = 0
     backoff: int = 16
+    # Costs cached on disk may be stale (another load on the machine, another kernel):
+    # each session drafts with the model once before trusting them.
+    draft_measured: bool = False
 
     @property
     def draft_cost(self) -> float | None:
@@ -138,6 +151,8 @@ class Scheduler:
         if 1 not in self.costs.target:
             return Choice(0)  # a plain step measures T(1) and still emits a token
         if self.draft_cost is None or len(self.costs.target) < 2:
+            return Choice(min(FIRST_PROBE, self.max_gamma))
+        if not self.free_drafts and not self.draft_measured:
             return Choice(min(FIRST_PROBE, self.max_gamma))
         rates = {g: self.rate(g) or 0.0 for g in range(self.max_gamma + 1)}
         best = max(rates, key=rates.get)
@@ -161,8 +176,9 @@ class Scheduler:
         self.costs.observe_target(g + 1, verify_s)
         if g > 0 and draft_s is not None:
             self.acceptance.observe(g, n)
+            self.draft_measured = True
             if not self.free_drafts:
-                self.costs.draft_per_token = _ema(self.costs.draft_per_token, draft_s / max(fed, 1))
+                self.costs.observe_draft(draft_s / max(fed, 1))
 
 
 def cost_cache_path() -> Path:

@@ -122,9 +122,13 @@ class Session:
     @property
     def cost_key(self) -> str:
         """Costs depend on both models, their dtype and the backend (and its kernels)."""
-        draft = f"{self.draft.path}:{self.draft.dtype}" if self.draft else "-"
-        kernels = self.target.info.get("kernels", "mlx")
-        return f"{self.target.path}:{self.target.dtype}|{draft}|{backend()}|{kernels}"
+        from .native import describe
+
+        def model(m: Model | None) -> str:
+            return f"{m.path}:{m.dtype}:{m.weights or 'as stored'}" if m else "-"
+
+        kernels = describe() if backend() == "cpu" else "mlx"
+        return f"{model(self.target)}|{model(self.draft)}|{backend()}|{kernels}"
 
     def scheduler(self, source: str) -> Scheduler:
         """The γ policy for a draft source; both share one measured target cost curve."""

@@ -8,7 +8,7 @@ from specmlx.schedule import Acceptance, Costs, Scheduler
 def warmed(curve, draft_cost, alpha, max_gamma=8, weight=40.0):
     """A scheduler that has seen T(k) = curve(k) for every k and acceptance alpha per position."""
     costs = Costs({k: curve(k) for k in range(1, max_gamma + 2)}, draft_cost)
-    s = Scheduler(costs, max_gamma)
+    s = Scheduler(costs, max_gamma, draft_measured=True)
     s.acceptance = Acceptance([alpha * weight] * max_gamma, [weight] * max_gamma)
     return s
 
@@ -40,7 +40,8 @@ def test_better_acceptance_never_shortens_gamma():
 
 def test_free_drafts_are_worth_trying_even_when_the_draft_model_is_not():
     costs = Costs({k: 0.3 * (1 + 0.05 * (k - 1)) for k in range(1, 10)}, draft_per_token=0.5)
-    model, lookup = Scheduler(costs), Scheduler(costs, free_drafts=True)
+    model = Scheduler(costs, draft_measured=True)
+    lookup = Scheduler(costs, free_drafts=True)
     for s in (model, lookup):
         s.acceptance.accepted, s.acceptance.reached = [6.0] * 8, [10.0] * 8
     assert model.choose().gamma == 0 and lookup.choose().gamma > 0
@@ -94,3 +95,11 @@ def test_a_marginal_forecast_is_not_worth_speculating():
     plain, one = s.rate(0), s.rate(1)
     assert 1.0 < one / plain < 1.05
     assert s.choose().gamma == 0
+
+
+def test_costs_from_disk_are_checked_by_one_real_draft_round_per_session():
+    cached = Costs({k: 0.3 * k for k in range(1, 10)}, draft_per_token=0.1)  # says: never draft
+    s = Scheduler(cached)
+    assert s.choose().gamma > 0 and not s.choose().cost_probe
+    s.record(4, 4, verify_s=0.32, draft_s=0.04, fed=4)  # this machine is memory-bound now
+    assert s.draft_measured and s.choose().gamma > 0
