@@ -66,16 +66,24 @@ class Costs:
         slope = sum((x - mean_k) * (y - mean_t) for x, y in zip(ks, ts, strict=True)) / var
         return max(mean_t + slope * (k - mean_k), min(ts))
 
-    def to_json(self) -> dict:
-        return {
-            "target": {str(k): v for k, v in self.target.items()},
-            "draft": self.draft_per_token,
-        }
+    def to_json(self, acceptance: Acceptance | None = None) -> dict:
+        out = {"target": {str(k): v for k, v in self.target.items()}, "draft": self.draft_per_token}
+        if acceptance is not None and acceptance.reached:
+            out["acceptance"] = {"accepted": acceptance.accepted, "reached": acceptance.reached}
+        return out
 
     @classmethod
     def from_json(cls, data: dict) -> Costs:
         target = {int(k): float(v) for k, v in data.get("target", {}).items()}
         return cls(target, data.get("draft"))
+
+
+def acceptance_from_json(data: dict) -> Acceptance | None:
+    """The draft model's per-position acceptance saved with its costs, if any."""
+    saved = data.get("acceptance")
+    if not saved:
+        return None
+    return Acceptance([float(x) for x in saved["accepted"]], [float(x) for x in saved["reached"]])
 
 
 @dataclass
@@ -131,8 +139,8 @@ class Scheduler:
     acceptance: Acceptance = field(default_factory=Acceptance)
     rounds_since_probe: int = 0
     backoff: int = 16
-    # Costs cached on disk may be stale (another load on the machine, another kernel):
-    # each session drafts with the model once before trusting them.
+    # With nothing cached about this draft's acceptance, draft with the model once
+    # before trusting cached costs (another load on the machine makes them stale).
     draft_measured: bool = False
 
     @property
@@ -187,21 +195,22 @@ def cost_cache_path() -> Path:
     return home() / "costs.json"
 
 
-def load_costs(key: str) -> Costs:
+def load_costs(key: str) -> tuple[Costs, Acceptance | None]:
     try:
-        return Costs.from_json(json.loads(cost_cache_path().read_text())[key])
+        data = json.loads(cost_cache_path().read_text())[key]
+        return Costs.from_json(data), acceptance_from_json(data)
     except (OSError, KeyError, ValueError, TypeError):
-        return Costs()
+        return Costs(), None
 
 
-def save_costs(key: str, costs: Costs) -> None:
+def save_costs(key: str, costs: Costs, acceptance: Acceptance | None = None) -> None:
     """Merge this pair's costs into the cache file atomically (temp file + rename)."""
     path = cost_cache_path()
     try:
         data = json.loads(path.read_text()) if path.exists() else {}
     except (OSError, ValueError):
         data = {}
-    data[key] = costs.to_json()
+    data[key] = costs.to_json(acceptance)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".costs-")

@@ -133,16 +133,20 @@ class Session:
     def scheduler(self, source: str) -> Scheduler:
         """The γ policy for a draft source; both share one measured target cost curve."""
         if not self._schedulers:
-            costs = load_costs(self.cost_key)
+            costs, acceptance = load_costs(self.cost_key)
+            model = Scheduler(costs, self.max_gamma)
+            if acceptance is not None and costs.draft_per_token is not None:
+                model.acceptance, model.draft_measured = acceptance, True
             self._schedulers = {
-                "model": Scheduler(costs, self.max_gamma),
+                "model": model,
                 "lookup": Scheduler(costs, self.max_gamma, free_drafts=True),
             }
         return self._schedulers[source]
 
     def save_costs(self) -> None:
         if self._schedulers:
-            save_costs(self.cost_key, self._schedulers["model"].costs)
+            model = self._schedulers["model"]
+            save_costs(self.cost_key, model.costs, model.acceptance)
 
     @property
     def vocab_size(self) -> int:

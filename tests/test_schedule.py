@@ -103,3 +103,14 @@ def test_costs_from_disk_are_checked_by_one_real_draft_round_per_session():
     assert s.choose().gamma > 0 and not s.choose().cost_probe
     s.record(4, 4, verify_s=0.32, draft_s=0.04, fed=4)  # this machine is memory-bound now
     assert s.draft_measured and s.choose().gamma > 0
+
+
+def test_acceptance_is_cached_with_the_costs(tmp_path, monkeypatch):
+    from specmlx import schedule
+
+    monkeypatch.setenv("SPECMLX_HOME", str(tmp_path))
+    seen = Acceptance([3.0, 1.0], [4.0, 3.0])
+    schedule.save_costs("pair", Costs({1: 0.2, 5: 0.4}, 0.1), seen)
+    costs, acceptance = schedule.load_costs("pair")
+    assert costs == Costs({1: 0.2, 5: 0.4}, 0.1) and acceptance == seen
+    assert schedule.load_costs("another pair") == (Costs(), None)
