@@ -63,7 +63,7 @@ class ModelDrafter:
         self.cache = make_prompt_cache(model.module)
         self.cached: list[int] = []  # tokens whose KV entries are in the cache
         self.pending: list[int] = []  # emitted tokens not yet fed to the draft
-        self.fed = 0
+        self.backlog = 0  # tokens the last proposal had to catch up on first
 
     def prefill(self, tokens: list[int]) -> None:
         """Line the cache up with `tokens`; what it lacks is fed lazily, at the first
@@ -88,7 +88,7 @@ class ModelDrafter:
 
         `draw(logits, key) -> (probs, token)` is the compiled sampler for this call.
         """
-        self.fed = len(self.pending) + g - 1  # tokens this proposal runs through the draft
+        self.backlog = len(self.pending) - 1
         self.catch_up()
         self.cached += self.pending
         x = mx.array(self.pending, mx.uint32)

@@ -36,10 +36,10 @@ def _ema(old: float | None, new: float) -> float:
 
 @dataclass
 class Costs:
-    """Measured seconds: a target pass per number of new tokens; a draft-model token."""
+    """Measured seconds: a target pass per number of new tokens; a draft-model pass."""
 
     target: dict[int, float] = field(default_factory=dict)
-    draft_per_token: float | None = None
+    draft_per_pass: float | None = None
     # What this process has measured itself; figures loaded from the cache are only a
     # starting point, replaced (not blended) by the first fresh measurement.
     fresh: set = field(default_factory=set, compare=False, repr=False)
@@ -49,9 +49,9 @@ class Costs:
         self.target[k] = _ema(old, seconds)
         self.fresh.add(k)
 
-    def observe_draft(self, seconds_per_token: float) -> None:
-        old = self.draft_per_token if "draft" in self.fresh else None
-        self.draft_per_token = _ema(old, seconds_per_token)
+    def observe_draft(self, seconds_per_pass: float) -> None:
+        old = self.draft_per_pass if "draft" in self.fresh else None
+        self.draft_per_pass = _ema(old, seconds_per_pass)
         self.fresh.add("draft")
 
     def target_time(self, k: int) -> float | None:
@@ -67,7 +67,7 @@ class Costs:
         return max(mean_t + slope * (k - mean_k), min(ts))
 
     def to_json(self, acceptance: Acceptance | None = None) -> dict:
-        out = {"target": {str(k): v for k, v in self.target.items()}, "draft": self.draft_per_token}
+        out = {"target": {str(k): v for k, v in self.target.items()}, "draft": self.draft_per_pass}
         if acceptance is not None and acceptance.reached:
             out["acceptance"] = {"accepted": acceptance.accepted, "reached": acceptance.reached}
         return out
@@ -145,7 +145,7 @@ class Scheduler:
 
     @property
     def draft_cost(self) -> float | None:
-        return 0.0 if self.free_drafts else self.costs.draft_per_token
+        return 0.0 if self.free_drafts else self.costs.draft_per_pass
 
     def rate(self, g: int, perfect: bool = False) -> float | None:
         """Expected tokens per second with γ = g (perfect: as if every draft were accepted)."""
@@ -179,14 +179,17 @@ class Scheduler:
         self.backoff = min(self.backoff * 2, 1024)
         return Choice(probe, cost_probe=hopeless and not self.free_drafts, predicted_tps=rates[0])
 
-    def record(self, g: int, n: int, verify_s: float, draft_s: float | None, fed: int) -> None:
-        """A finished round: g drafts, n accepted; draft_s None for a cost-only probe."""
+    def record(
+        self, g: int, n: int, verify_s: float, draft_s: float | None, passes: int | None
+    ) -> None:
+        """A finished round: g drafts, n accepted; draft_s None for a cost-only probe;
+        passes: the draft's forward passes that draft_s paid for (None: not a clean figure)."""
         self.costs.observe_target(g + 1, verify_s)
         if g > 0 and draft_s is not None:
             self.acceptance.observe(g, n)
             self.draft_measured = True
-            if not self.free_drafts:
-                self.costs.observe_draft(draft_s / max(fed, 1))
+            if not self.free_drafts and passes:
+                self.costs.observe_draft(draft_s / passes)
 
 
 def cost_cache_path() -> Path:

@@ -135,7 +135,7 @@ class Session:
         if not self._schedulers:
             costs, acceptance = load_costs(self.cost_key)
             model = Scheduler(costs, self.max_gamma)
-            if acceptance is not None and costs.draft_per_token is not None:
+            if acceptance is not None and costs.draft_per_pass is not None:
                 model.acceptance, model.draft_measured = acceptance, True
             self._schedulers = {
                 "model": model,
@@ -319,9 +319,11 @@ def _decode(
         stats.rounds_by_gamma[g] = stats.rounds_by_gamma.get(g, 0) + 1
         stats.rounds_by_source[source] = stats.rounds_by_source.get(source, 0) + 1
         if scheduler is not None:
-            fed = model_drafter.fed if source == "model" else g
+            # A draft pass costs about the same for 1 or 2 tokens (per-layer overhead rules
+            # small models), so its cost is per pass; a catch-up round says nothing of it.
+            passes = g if source != "model" or model_drafter.backlog <= 1 else None
             draft_s = None if source == "probe" else t1 - t0
-            scheduler.record(g, n, t2 - t1, draft_s, fed)
+            scheduler.record(g, n, t2 - t1, draft_s, passes)
         cached += [last] + drafts[:n]
         block = drafts[:n] + [token]
         if model_drafter is not None and source == "model":

@@ -39,7 +39,7 @@ def test_better_acceptance_never_shortens_gamma():
 
 
 def test_free_drafts_are_worth_trying_even_when_the_draft_model_is_not():
-    costs = Costs({k: 0.3 * (1 + 0.05 * (k - 1)) for k in range(1, 10)}, draft_per_token=0.5)
+    costs = Costs({k: 0.3 * (1 + 0.05 * (k - 1)) for k in range(1, 10)}, draft_per_pass=0.5)
     model = Scheduler(costs, draft_measured=True)
     lookup = Scheduler(costs, free_drafts=True)
     for s in (model, lookup):
@@ -50,10 +50,10 @@ def test_free_drafts_are_worth_trying_even_when_the_draft_model_is_not():
 def test_cold_start_measures_plain_then_probes():
     s = Scheduler(Costs())
     assert s.choose().gamma == 0  # first round: T(1)
-    s.record(0, 0, verify_s=0.3, draft_s=None, fed=0)
+    s.record(0, 0, verify_s=0.3, draft_s=None, passes=0)
     g = s.choose().gamma
     assert g > 0  # second round: T(g+1) and the draft's cost, with real drafts
-    s.record(g, 1, verify_s=0.3 * (g + 1), draft_s=0.1 * g, fed=g)
+    s.record(g, 1, verify_s=0.3 * (g + 1), draft_s=0.1 * g, passes=g)
     assert s.choose().gamma == 0  # linear verify: it stops speculating
 
 
@@ -98,10 +98,10 @@ def test_a_marginal_forecast_is_not_worth_speculating():
 
 
 def test_costs_from_disk_are_checked_by_one_real_draft_round_per_session():
-    cached = Costs({k: 0.3 * k for k in range(1, 10)}, draft_per_token=0.1)  # says: never draft
+    cached = Costs({k: 0.3 * k for k in range(1, 10)}, draft_per_pass=0.1)  # says: never draft
     s = Scheduler(cached)
     assert s.choose().gamma > 0 and not s.choose().cost_probe
-    s.record(4, 4, verify_s=0.32, draft_s=0.04, fed=4)  # this machine is memory-bound now
+    s.record(4, 4, verify_s=0.32, draft_s=0.04, passes=4)  # this machine is memory-bound now
     assert s.draft_measured and s.choose().gamma > 0
 
 
