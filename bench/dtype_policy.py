@@ -86,7 +86,6 @@ def main() -> None:
     summary = {
         "model": str(args.model),
         "checkpoint_scales": sorted(scales),
-        "mlx_lm_dtype": str(logits_theirs.dtype),
         "specmlx_dtype": ours.dtype,
         "specmlx_layers": sorted({type(m).__name__ for m in ours.module.modules()} & {
             "QuantizedLinear", "NativeQuantizedLinear", "Linear"}),

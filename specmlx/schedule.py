@@ -25,6 +25,7 @@ DECAY = 0.9  # weight kept by old observations per new one: adapts within ~10 ro
 PRIOR_ALPHA = 0.6  # acceptance assumed at a position never tried, weighted as PRIOR_WEIGHT
 PRIOR_WEIGHT = 2.0
 FIRST_PROBE = 4  # draft length of the first measuring round
+COST_PROBE = 2  # draft length of a probe that re-measures the verify cost curve only
 # Speculate only when the forecast beats plain decoding by this much: timings on a busy
 # machine are noisy, and a marginal forecast that is wrong costs more than it can gain.
 MARGIN = 1.05
@@ -177,7 +178,10 @@ class Scheduler:
         probe = max(optimistic, key=optimistic.get)
         hopeless = optimistic[probe] < rates[0]  # verify cost alone rules speculation out
         self.backoff = min(self.backoff * 2, 1024)
-        return Choice(probe, cost_probe=hopeless and not self.free_drafts, predicted_tps=rates[0])
+        if hopeless and not self.free_drafts:
+            # Only the slope of T(k) is in question: a short probe measures it for less.
+            return Choice(min(COST_PROBE, self.max_gamma), cost_probe=True, predicted_tps=rates[0])
+        return Choice(probe, predicted_tps=rates[0])
 
     def record(
         self, g: int, n: int, verify_s: float, draft_s: float | None, passes: int | None
