@@ -732,6 +732,8 @@ def cpu_model() -> str:
 def machine_info() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
+    from .native import describe as native_describe
+
     def pkg(name: str) -> str | None:
         try:
             return version(name)
@@ -753,6 +755,7 @@ def machine_info() -> dict:
         "backend": backend(),
         "device": str(mx.default_device()),
         "blas": blas_info(),
+        "int4_kernel": native_describe(),
         "env": {k: os.environ[k] for k in env_keys if k in os.environ},
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "code": code_version(),

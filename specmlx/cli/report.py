@@ -79,7 +79,10 @@ def startup_lines(target, draft, timings: dict, backend: str) -> list[str]:
     else:
         lines.append("draft  none (plain decoding)")
     if backend == "cpu":
+        from ..native import describe
+
         lines.append(f"cpu    {cpu_path(target, draft)}")
+        lines.append(f"int4   {describe()}")
     lines.append(memory_line())
     return lines
 
