@@ -25,6 +25,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.generate import stream_generate
+from mlx_lm.utils import common_prefix_len
 from mlx_lm.utils import load as mlx_lm_load
 
 import specmlx
@@ -40,14 +41,6 @@ def decode_mlx_lm(model, tokenizer, ids: list[int], tokens: int) -> tuple[list[i
         if first_at is None:
             first_at = time.perf_counter()
     return out, (len(out) - 1) / (time.perf_counter() - first_at)
-
-
-def first_difference(a: list[int], b: list[int]) -> int:
-    """How many leading tokens two greedy runs share."""
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def main() -> None:
@@ -82,7 +75,7 @@ def main() -> None:
         )
         print(f"rep {rep}: mlx_lm {tps_theirs:.2f} tok/s, specmlx {gen.stats.decode_tps:.2f} tok/s")
     ratio = statistics.median(r["specmlx_tps"] / r["mlx_lm_tps"] for r in rows)
-    agree = [first_difference(r["specmlx_tokens"], r["mlx_lm_tokens"]) for r in rows]
+    agree = [common_prefix_len(r["specmlx_tokens"], r["mlx_lm_tokens"]) for r in rows]
     summary = {
         "model": str(args.model),
         "checkpoint_scales": sorted(scales),

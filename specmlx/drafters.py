@@ -9,17 +9,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.utils import common_prefix_len
 
 from .loading import Model
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def prefill(model: Model, cache: list, tokens: list[int], step: int = 512) -> None:
@@ -30,12 +22,11 @@ def prefill(model: Model, cache: list, tokens: list[int], step: int = 512) -> No
         mx.eval([c.state for c in cache])
 
 
-def sync_cache(model: Model, cache: list, cached: list[int], tokens: list[int]) -> int:
-    """Make `cache` hold exactly `tokens`, reusing the longest prefix it already holds.
+def align_cache(cache: list, cached: list[int], tokens: list[int]) -> int:
+    """Trim `cache` to the longest prefix of `tokens` it holds; return that length.
 
     `cached` is what the cache held at the end of the last complete round; an
     interrupted round may have left extra entries, which are trimmed first.
-    Returns how many tokens had to be processed (the prefill of this call).
     """
     offset = cache[0].offset if cache and hasattr(cache[0], "offset") else len(cached)
     if offset > len(cached):
@@ -44,9 +35,18 @@ def sync_cache(model: Model, cache: list, cached: list[int], tokens: list[int]) 
         for c in cache:
             c.trim(c.offset)
         cached.clear()
-    keep = common_prefix(cached, tokens)
+    keep = common_prefix_len(cached, tokens)
     trim_prompt_cache(cache, len(cached) - keep)
     del cached[keep:]
+    return keep
+
+
+def sync_cache(model: Model, cache: list, cached: list[int], tokens: list[int]) -> int:
+    """Make `cache` hold exactly `tokens`, reusing the longest prefix it already holds.
+
+    Returns how many tokens had to be processed (the prefill of this call).
+    """
+    keep = align_cache(cache, cached, tokens)
     prefill(model, cache, tokens[keep:])
     cached.extend(tokens[keep:])
     return len(tokens) - keep
@@ -68,12 +68,7 @@ class ModelDrafter:
     def prefill(self, tokens: list[int]) -> None:
         """Line the cache up with `tokens`; what it lacks is fed lazily, at the first
         proposal, so a call that never drafts (auto γ = 0) never pays for it."""
-        offset = self.cache[0].offset if self.cache else len(self.cached)
-        if offset > len(self.cached):  # an interrupted round left entries behind
-            trim_prompt_cache(self.cache, offset - len(self.cached))
-        keep = common_prefix(self.cached, tokens[:-1])
-        trim_prompt_cache(self.cache, len(self.cached) - keep)
-        del self.cached[keep:]
+        keep = align_cache(self.cache, self.cached, tokens[:-1])
         self.pending = tokens[keep:]
 
     def catch_up(self) -> int:
@@ -103,10 +98,7 @@ class ModelDrafter:
         return mx.concatenate(tokens), mx.concatenate(qs)
 
     def rollback(self, g: int, n: int, drafts: list[int], emitted: list[int]) -> None:
-        """The target accepted n of the g `drafts`, then emitted `emitted`."""
-        if g == 0:
-            self.pending += emitted
-            return
+        """The target accepted n of the g > 0 `drafts`, then emitted `emitted`."""
         # The draft fed d_1..d_{g-1} through itself; d_g was sampled but never fed.
         self.cached += drafts[: g - 1]
         if n == g:

@@ -277,7 +277,7 @@ def _decode(
     while stats.tokens < max_tokens:
         key, round_key = mx.random.split(key)
         t0 = time.perf_counter()
-        source, g, scheduler = _plan_round(session, gamma, model_drafter, lookup, stats)
+        source, g, scheduler, found = _plan_round(session, gamma, model_drafter, lookup, stats)
         # Never draft past max_tokens: a fully accepted round emits g + 1 tokens.
         g = min(g, max_tokens - stats.tokens - 1) if speculate else 0
         if g > 0:
@@ -293,8 +293,7 @@ def _decode(
                     t0 += moved
                 draft_tokens, q = model_drafter.propose(g, draft_key, draw)
             else:  # lookup, or a cost probe's free guesses (the last token repeated)
-                guesses = lookup.find(g) if lookup is not None else []
-                draft_tokens, q = point_mass((guesses + [last] * g)[:g], vocab)
+                draft_tokens, q = point_mass((found[:g] + [last] * g)[:g], vocab)
             mx.eval(draft_tokens, q)
             t1 = time.perf_counter()
             x = mx.concatenate([mx.array([last], mx.uint32), draft_tokens])
@@ -364,28 +363,28 @@ def _plan_round(
     model_drafter: ModelDrafter | None,
     lookup: LookupDrafter | None,
     stats: Stats,
-) -> tuple[str, int, Scheduler | None]:
-    """Which drafts to use this round, how many, and the scheduler that learns from it."""
-    lookup_found = lookup is not None and bool(lookup.find(1))
-    if lookup is not None and (model_drafter is None or lookup_found):
+) -> tuple[str, int, Scheduler | None, list[int]]:
+    """Which drafts to use this round, how many, the scheduler that learns from it, and
+    what lookup found (one scan of the history: a shorter proposal is its prefix)."""
+    longest = max(session.max_gamma, gamma if gamma != "auto" else 0)
+    found = lookup.find(longest) if lookup is not None else []
+    if lookup is not None and (model_drafter is None or found):
         source = "lookup"
     elif model_drafter is not None:
         source = "model"
     else:
-        return "plain", 0, None
+        return "plain", 0, None, found
     if gamma != "auto":
-        g = gamma
-        if source == "lookup":
-            g = len(lookup.find(gamma))  # propose only what the context offers
-        return source, g, None
+        # lookup proposes only what the context offers
+        return source, len(found[:gamma]) if source == "lookup" else gamma, None, found
     scheduler = session.scheduler(source)
     choice = scheduler.choose()
     stats.predicted_tps = choice.predicted_tps
     if choice.cost_probe:
-        source = "probe"
-    elif source == "lookup":
-        return source, len(lookup.find(choice.gamma)), scheduler
-    return source, choice.gamma, scheduler
+        return "probe", choice.gamma, scheduler, found
+    if source == "lookup":
+        return source, len(found[: choice.gamma]), scheduler, found
+    return source, choice.gamma, scheduler, found
 
 
 def _count_positions(stats: Stats, g: int, n: int) -> None:
