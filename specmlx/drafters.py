@@ -78,10 +78,11 @@ class ModelDrafter:
         self.cached += backlog
         return len(backlog)
 
-    def propose(self, g: int, key: mx.array, draw) -> tuple[mx.array, mx.array]:
+    def propose(self, g: int, key: mx.array, draw) -> tuple[mx.array, mx.array | None]:
         """(g,) tokens and their (g, V) distributions, lazily (nothing is synced here).
 
-        `draw(logits, key) -> (probs, token)` is the compiled sampler for this call.
+        `draw(logits, key) -> (probs, token)` is the compiled sampler for this call; its
+        probs are None at temperature 0, and so is the second array returned.
         """
         self.backlog = len(self.pending) - 1
         self.catch_up()
@@ -95,7 +96,7 @@ class ModelDrafter:
             tokens.append(x)
             qs.append(q)
         self.pending = []
-        return mx.concatenate(tokens), mx.concatenate(qs)
+        return mx.concatenate(tokens), None if qs[0] is None else mx.concatenate(qs)
 
     def rollback(self, g: int, n: int, drafts: list[int], emitted: list[int]) -> None:
         """The target accepted n of the g > 0 `drafts`, then emitted `emitted`."""
@@ -135,7 +136,6 @@ class LookupDrafter:
         self.history += emitted
 
 
-def point_mass(tokens: list[int], vocab_size: int) -> tuple[mx.array, mx.array]:
-    """Draft tokens and their one-hot q, for drafts that are guesses rather than samples."""
-    drafts = mx.array(tokens, mx.uint32)
-    return drafts, (mx.arange(vocab_size)[None] == drafts[:, None]).astype(mx.float32)
+def point_mass(drafts: mx.array, vocab_size: int) -> mx.array:
+    """The one-hot q of drafts that are guesses rather than samples (lookup, probes)."""
+    return (mx.arange(vocab_size)[None] == drafts[:, None]).astype(mx.float32)

@@ -293,7 +293,8 @@ def _decode(
                     t0 += moved
                 draft_tokens, q = model_drafter.propose(g, draft_key, draw)
             else:  # lookup, or a cost probe's free guesses (the last token repeated)
-                draft_tokens, q = point_mass((found[:g] + [last] * g)[:g], vocab)
+                draft_tokens = mx.array((found[:g] + [last] * g)[:g], mx.uint32)
+                q = None if params.greedy else point_mass(draft_tokens, vocab)
             mx.eval(draft_tokens, q)
             t1 = time.perf_counter()
             x = mx.concatenate([mx.array([last], mx.uint32), draft_tokens])

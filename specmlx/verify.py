@@ -46,13 +46,31 @@ def accept_reject(
     return n, sample(residual, residual_key)
 
 
+def accept_greedy(logits: mx.array, draft_tokens: mx.array) -> tuple[mx.array, mx.array]:
+    """accept_reject's temperature-0 limit, computed from argmaxes alone.
+
+    With one-hot p and q, d_i is accepted exactly when it is the target's argmax, the
+    residual at a rejection is one-hot on that argmax, and so is the bonus. The result is
+    the same (tested); it just skips V-sized distributions and random draws, which cost
+    ~5 ms a round on a CPU (MLX's exp and random bits are scalar there).
+    """
+    best = mx.argmax(logits, axis=-1).astype(mx.uint32)
+    g = draft_tokens.shape[0]
+    n = mx.sum(mx.cumprod((draft_tokens == best[:g]).astype(mx.int32)))
+    return n, best[n]
+
+
 @lru_cache(maxsize=32)  # compiled functions are reused across generate() calls
 def make_verifier(params: SamplingParams, vocab_size: int):
-    """Compiled: target logits of one round (g+1, V') -> (n accepted, next token).
+    """Compiled: (target logits of one round (g+1, V'), q (g, V), drafts (g,), key) ->
+    (n accepted, next token). At temperature 0, q may be None (it is not needed).
 
     Logits beyond `vocab_size` (embedding padding) are dropped before processing, so
     draft and target are compared over the shared tokenizer vocabulary.
     """
+    if params.greedy:
+        greedy = mx.compile(lambda logits, drafts: accept_greedy(logits[:, :vocab_size], drafts))
+        return lambda logits, q, draft_tokens, key: greedy(logits, draft_tokens)
 
     def verify(logits: mx.array, q: mx.array, draft_tokens: mx.array, key: mx.array):
         p = probabilities(logits[:, :vocab_size], params)
@@ -63,7 +81,16 @@ def make_verifier(params: SamplingParams, vocab_size: int):
 
 @lru_cache(maxsize=32)
 def make_sampler(params: SamplingParams, vocab_size: int):
-    """Compiled: logits (1, V') -> (processed distribution (1, V), sampled token (1,))."""
+    """Compiled: logits (1, V') -> (processed distribution (1, V), sampled token (1,)).
+
+    At temperature 0 the distribution is None: the token is the argmax, and nothing
+    downstream needs the one-hot (see accept_greedy).
+    """
+    if params.greedy:
+        argmax = mx.compile(
+            lambda logits: mx.argmax(logits[:, :vocab_size], axis=-1).astype(mx.uint32)
+        )
+        return lambda logits, key: (None, argmax(logits))
 
     def draw(logits: mx.array, key: mx.array):
         probs = probabilities(logits[:, :vocab_size], params)

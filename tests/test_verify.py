@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from stats_util import ALPHA, chi_square_pvalue
 
-from specmlx.verify import accept_reject
+from specmlx.sampling import SamplingParams, probabilities
+from specmlx.verify import accept_greedy, accept_reject
 
 V, N = 8, 200_000
 
@@ -105,3 +106,20 @@ def test_greedy_limit_accepts_exactly_when_argmaxes_agree():
     )
     assert agree.item() == 1
     assert (n.item(), token.item()) == (0, 3)
+
+
+@pytest.mark.parametrize("g", [1, 3, 6])
+def test_greedy_shortcut_equals_rejection_sampling_on_one_hot_distributions(g):
+    # 300 rounds of random logits (with planted ties) and drafts that often agree.
+    rng = np.random.default_rng(g)
+    greedy = SamplingParams(0.0)
+    for i in range(300):
+        logits = mx.array(rng.integers(0, 4, size=(g + 1, V)).astype(np.float32))
+        best = np.array(mx.argmax(logits, axis=-1))
+        agree = rng.random(g) < 0.7
+        drafts = mx.array(np.where(agree, best[:g], rng.integers(0, V, g)), mx.uint32)
+        p = probabilities(logits, greedy)
+        q = (mx.arange(V)[None] == drafts[:, None]).astype(mx.float32)
+        n, token = accept_reject(p, q, drafts, mx.random.key(i))
+        n_fast, token_fast = accept_greedy(logits, drafts)
+        assert (n_fast.item(), token_fast.item()) == (n.item(), token.item())
