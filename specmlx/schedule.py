@@ -1,16 +1,21 @@
 """Choosing the draft length γ each round so that speculation never loses.
 
 A round with γ drafts costs γ·t_draft + T(γ+1) (T(k): one target pass over k new
-tokens) and yields E[N] = 1 + Σ_{j≤γ} Π_{i≤j} α_i tokens, α_i being the chance that
-draft position i is accepted once positions before it were. γ = 0 is plain decoding:
-one token per T(1). Each round picks the γ with the most expected tokens per second,
-from costs measured on real rounds (cached per model pair and backend, refined online)
-and acceptance estimated per position with exponential decay.
+tokens) and yields E[N] = 1 + α + … + α^γ tokens, α being the chance that a draft is
+accepted. γ = 0 is plain decoding: one token per T(1). Each round picks the γ with the
+most expected tokens per second.
 
-When γ = 0 wins, speculation is re-tried now and then (exponential back-off) so a
-change — longer context, another backend, an easier passage — is noticed. When even
-perfect acceptance could not beat plain decoding (compute-bound verify: T(k) ≈ k·T(1),
-as with MLX's INT4 CPU kernels), re-tries are rare, since each costs real time.
+Costs are kept as ratios to T(1). On a shared machine load moves every pass's time
+together, and one pass can be slow for reasons of its own (a burst of load, the first
+call at a new shape), so each multi-token target pass and each draft pass is recorded as
+its ratio to the T(1) of the moment, and a figure is the median of its recent ratios:
+one outlier cannot lock a draft length out. The choice depends on ratios and α alone.
+
+α is estimated per generate() call: what earlier calls saw is only a weak prior, so one
+probe of a few drafts is enough to tell code (α ≈ 0.9) from prose (α ≈ 0.6). Each call
+with a draft model starts with one such probe; after that, speculation that does not
+pay is re-tried rarely, since a model draft that sat out must first catch up on every
+token it missed, which can cost several target passes.
 """
 
 from __future__ import annotations
@@ -20,101 +25,119 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import median
 
-DECAY = 0.9  # weight kept by old observations per new one: adapts within ~10 rounds
-PRIOR_ALPHA = 0.6  # acceptance assumed at a position never tried, weighted as PRIOR_WEIGHT
-PRIOR_WEIGHT = 2.0
-FIRST_PROBE = 4  # draft length of the first measuring round
-COST_PROBE = 2  # draft length of a probe that re-measures the verify cost curve only
+DECAY = 0.9  # weight kept by old acceptance observations per round: adapts within ~10 rounds
+WINDOW = 16  # recent ratios kept per figure
+PRIOR_ALPHA = 0.6  # acceptance assumed before anything is known
+PRIOR_WEIGHT = 1.0  # how many drafts' worth of evidence the prior (or earlier calls) counts as
+FIRST_PROBE = 4  # draft length of a call's first, measuring round
+COST_PROBE = 2  # draft length of a re-probe
+FIRST_BACKOFF = 32  # plain rounds before speculation that did not pay is re-tried
 # Speculate only when the forecast beats plain decoding by this much: timings on a busy
 # machine are noisy, and a marginal forecast that is wrong costs more than it can gain.
 MARGIN = 1.05
 
 
-def _ema(old: float | None, new: float) -> float:
-    return new if old is None else DECAY * old + (1 - DECAY) * new
+def _push(samples: list[float], value: float) -> None:
+    samples.append(value)
+    del samples[:-WINDOW]
 
 
 @dataclass
 class Costs:
-    """Measured seconds: a target pass per number of new tokens; a draft-model pass."""
+    """Pass costs as ratios to T(1): a target pass over k new tokens, a draft pass.
 
-    target: dict[int, float] = field(default_factory=dict)
-    draft_per_pass: float | None = None
-    # What this process has measured itself; figures loaded from the cache are only a
-    # starting point, replaced (not blended) by the first fresh measurement.
-    fresh: set = field(default_factory=set, compare=False, repr=False)
+    t1 (seconds, a decayed mean of plain steps) only turns ratios into tokens per second.
+    """
+
+    t1: float | None = None
+    target: dict[int, list[float]] = field(default_factory=dict)  # k ≥ 2 -> T(k)/T(1) seen
+    draft: list[float] = field(default_factory=list)  # draft pass / T(1) seen
 
     def observe_target(self, k: int, seconds: float) -> None:
-        old = self.target.get(k) if k in self.fresh else None
-        self.target[k] = _ema(old, seconds)
-        self.fresh.add(k)
+        if k == 1:
+            self.t1 = seconds if self.t1 is None else DECAY * self.t1 + (1 - DECAY) * seconds
+        elif self.t1:
+            _push(self.target.setdefault(k, []), seconds / self.t1)
 
     def observe_draft(self, seconds_per_pass: float) -> None:
-        old = self.draft_per_pass if "draft" in self.fresh else None
-        self.draft_per_pass = _ema(old, seconds_per_pass)
-        self.fresh.add("draft")
+        if self.t1:
+            _push(self.draft, seconds_per_pass / self.t1)
 
-    def target_time(self, k: int) -> float | None:
-        """T(k): measured if seen, else the least-squares line through what was seen."""
-        if k in self.target:
-            return self.target[k]
-        if len(self.target) < 2:
-            return None
-        ks, ts = zip(*sorted(self.target.items()), strict=True)
-        mean_k, mean_t = sum(ks) / len(ks), sum(ts) / len(ts)
-        var = sum((x - mean_k) ** 2 for x in ks)
-        slope = sum((x - mean_k) * (y - mean_t) for x, y in zip(ks, ts, strict=True)) / var
-        return max(mean_t + slope * (k - mean_k), min(ts))
+    @property
+    def slope(self) -> float | None:
+        """The extra cost of each new token beyond the first, as a fraction of T(1): the
+        median over every multi-token pass seen (a Theil–Sen line through T(1) = 1)."""
+        slopes = [(r - 1) / (k - 1) for k, seen in self.target.items() for r in seen]
+        return max(median(slopes), 0.0) if slopes else None
+
+    def ratio(self, k: int) -> float | None:
+        """T(k)/T(1): the median seen at k once there are a few, else on the line."""
+        if k == 1:
+            return 1.0
+        seen = self.target.get(k, [])
+        if len(seen) >= 3:
+            return median(seen)
+        slope = self.slope
+        return None if slope is None else 1 + slope * (k - 1)
+
+    @property
+    def draft_ratio(self) -> float | None:
+        return median(self.draft) if self.draft else None
 
     def to_json(self, acceptance: Acceptance | None = None) -> dict:
-        out = {"target": {str(k): v for k, v in self.target.items()}, "draft": self.draft_per_pass}
-        if acceptance is not None and acceptance.reached:
-            out["acceptance"] = {"accepted": acceptance.accepted, "reached": acceptance.reached}
+        out = {
+            "t1": self.t1,
+            "target": {str(k): v for k, v in self.target.items()},
+            "draft": self.draft,
+        }
+        if acceptance is not None and acceptance.seen:
+            out["acceptance"] = acceptance.to_json()
         return out
 
     @classmethod
     def from_json(cls, data: dict) -> Costs:
-        target = {int(k): float(v) for k, v in data.get("target", {}).items()}
-        return cls(target, data.get("draft"))
-
-
-def acceptance_from_json(data: dict) -> Acceptance | None:
-    """The draft model's per-position acceptance saved with its costs, if any."""
-    saved = data.get("acceptance")
-    if not saved:
-        return None
-    return Acceptance([float(x) for x in saved["accepted"]], [float(x) for x in saved["reached"]])
+        target = {int(k): [float(r) for r in v] for k, v in data["target"].items()}
+        return cls(float(data["t1"]), target, [float(r) for r in data["draft"]])
 
 
 @dataclass
 class Acceptance:
-    """Per-position acceptance α_i with exponentially decayed counts."""
+    """α from decayed counts of accepted and judged drafts, with a weak prior."""
 
-    accepted: list[float] = field(default_factory=list)
-    reached: list[float] = field(default_factory=list)
+    accepted: float = 0.0
+    judged: float = 0.0  # drafts the target ruled on (those after a rejection were not)
+    prior: float = PRIOR_ALPHA
+
+    @property
+    def seen(self) -> bool:
+        return self.judged > 0
 
     def observe(self, g: int, n: int) -> None:
-        while len(self.reached) < g:
-            self.accepted.append(0.0)
-            self.reached.append(0.0)
-        for i in range(min(n + 1, g)):  # positions 1..n were accepted, n+1 was rejected
-            self.reached[i] = DECAY * self.reached[i] + 1
-            self.accepted[i] = DECAY * self.accepted[i] + (i < n)
+        """A round drafted g and the target accepted n (and rejected the next, if n < g)."""
+        judged = min(n + 1, g)
+        self.accepted = DECAY * self.accepted + n
+        self.judged = DECAY * self.judged + judged
 
-    def alpha(self, i: int) -> float:
-        """α at 0-based draft position i; unseen positions borrow the last seen one."""
-        if i >= len(self.reached):
-            prior = self.alpha(len(self.reached) - 1) if self.reached else PRIOR_ALPHA
-            return prior
-        return (self.accepted[i] + PRIOR_ALPHA * PRIOR_WEIGHT) / (self.reached[i] + PRIOR_WEIGHT)
+    @property
+    def alpha(self) -> float:
+        return (self.accepted + self.prior * PRIOR_WEIGHT) / (self.judged + PRIOR_WEIGHT)
 
     def expected_tokens(self, g: int) -> float:
-        total, run = 1.0, 1.0
-        for i in range(g):
-            run *= self.alpha(i)
-            total += run
-        return total
+        """E[N] for g drafts: 1 + α + … + α^g."""
+        return sum(self.alpha**i for i in range(g + 1))
+
+    def as_prior(self) -> Acceptance:
+        """What a new call starts from: this α, with the weight of a prior only."""
+        return Acceptance(prior=self.alpha)
+
+    def to_json(self) -> dict:
+        return {"alpha": self.alpha}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Acceptance:
+        return cls(prior=min(max(float(data["alpha"]), 0.0), 1.0))
 
 
 @dataclass
@@ -130,8 +153,7 @@ class Choice:
 class Scheduler:
     """Picks γ for one draft source; target costs are shared between sources.
 
-    `draft_cost` is None for a draft model until measured, 0.0 for free drafts
-    (prompt lookup), whose cost is negligible next to any forward pass.
+    `free_drafts` is for prompt lookup, whose cost is negligible next to a forward pass.
     """
 
     costs: Costs
@@ -139,49 +161,53 @@ class Scheduler:
     free_drafts: bool = False
     acceptance: Acceptance = field(default_factory=Acceptance)
     rounds_since_probe: int = 0
-    backoff: int = 16
-    # With nothing cached about this draft's acceptance, draft with the model once
-    # before trusting cached costs (another load on the machine makes them stale).
-    draft_measured: bool = False
+    backoff: int = FIRST_BACKOFF
+    probed: bool = False  # this call has drafted at least once
+
+    def start_call(self) -> None:
+        """A new generate() call: a new text, whose acceptance is learnt afresh."""
+        self.acceptance = self.acceptance.as_prior()
+        self.probed = False
+        self.rounds_since_probe = 0
+        self.backoff = FIRST_BACKOFF
 
     @property
-    def draft_cost(self) -> float | None:
-        return 0.0 if self.free_drafts else self.costs.draft_per_pass
+    def draft_ratio(self) -> float | None:
+        return 0.0 if self.free_drafts else self.costs.draft_ratio
 
     def rate(self, g: int, perfect: bool = False) -> float | None:
-        """Expected tokens per second with γ = g (perfect: as if every draft were accepted)."""
-        verify = self.costs.target_time(g + 1)
-        if verify is None or (g > 0 and self.draft_cost is None):
+        """Expected tokens per T(1) with γ = g (perfect: as if every draft were accepted)."""
+        verify = self.costs.ratio(g + 1)
+        if verify is None or (g > 0 and self.draft_ratio is None):
             return None
         tokens = g + 1 if perfect else self.acceptance.expected_tokens(g)
-        return tokens / (g * (self.draft_cost or 0.0) + verify)
+        return tokens / (g * (self.draft_ratio or 0.0) + verify)
+
+    def tps(self, rate: float) -> float:
+        return rate / self.costs.t1 if self.costs.t1 else 0.0
 
     def choose(self) -> Choice:
-        if 1 not in self.costs.target:
+        if self.costs.t1 is None:
             return Choice(0)  # a plain step measures T(1) and still emits a token
-        if self.draft_cost is None or len(self.costs.target) < 2:
-            return Choice(min(FIRST_PROBE, self.max_gamma))
-        if not self.free_drafts and not self.draft_measured:
-            return Choice(min(FIRST_PROBE, self.max_gamma))
+        first = min(FIRST_PROBE, self.max_gamma)
+        if self.rate(first) is None or (not self.probed and not self.free_drafts):
+            return Choice(first)  # measure what is missing; learn this text's α
         rates = {g: self.rate(g) or 0.0 for g in range(self.max_gamma + 1)}
         best = max(rates, key=rates.get)
         if best > 0 and rates[best] >= MARGIN * rates[0]:
             self.rounds_since_probe = 0
-            self.backoff = 16
-            return Choice(best, predicted_tps=rates[best])
+            self.backoff = FIRST_BACKOFF
+            return Choice(best, predicted_tps=self.tps(rates[best]))
         self.rounds_since_probe += 1
         if self.rounds_since_probe < self.backoff:
-            return Choice(0, predicted_tps=rates[0])
-        # Re-try speculation at the length that would pay most if every draft were good.
+            return Choice(0, predicted_tps=self.tps(rates[0]))
         self.rounds_since_probe = 0
-        optimistic = {g: self.rate(g, perfect=True) or 0.0 for g in range(1, self.max_gamma + 1)}
-        probe = max(optimistic, key=optimistic.get)
-        hopeless = optimistic[probe] < rates[0]  # verify cost alone rules speculation out
         self.backoff = min(self.backoff * 2, 1024)
-        if hopeless and not self.free_drafts:
-            # Only the slope of T(k) is in question: a short probe measures it for less.
-            return Choice(min(COST_PROBE, self.max_gamma), cost_probe=True, predicted_tps=rates[0])
-        return Choice(probe, predicted_tps=rates[0])
+        probe = min(COST_PROBE, self.max_gamma)
+        hopeless = (self.rate(probe, perfect=True) or 0.0) < rates[0]
+        # When even perfect drafts would lose, only T(k)'s slope is in question: measure
+        # it with free guesses, without paying for the draft model's catch-up.
+        return Choice(probe, cost_probe=hopeless, predicted_tps=self.tps(rates[0]))
 
     def record(
         self, g: int, n: int, verify_s: float, draft_s: float | None, passes: int | None
@@ -191,7 +217,7 @@ class Scheduler:
         self.costs.observe_target(g + 1, verify_s)
         if g > 0 and draft_s is not None:
             self.acceptance.observe(g, n)
-            self.draft_measured = True
+            self.probed = True
             if not self.free_drafts and passes:
                 self.costs.observe_draft(draft_s / passes)
 
@@ -203,10 +229,12 @@ def cost_cache_path() -> Path:
 
 
 def load_costs(key: str) -> tuple[Costs, Acceptance | None]:
+    """This pair's cached costs and acceptance; nothing when absent or in an old format."""
     try:
         data = json.loads(cost_cache_path().read_text())[key]
-        return Costs.from_json(data), acceptance_from_json(data)
-    except (OSError, KeyError, ValueError, TypeError):
+        saved = data.get("acceptance")
+        return Costs.from_json(data), Acceptance.from_json(saved) if saved else None
+    except (OSError, KeyError, ValueError, TypeError, AttributeError):
         return Costs(), None
 
 

@@ -135,8 +135,8 @@ class Session:
         if not self._schedulers:
             costs, acceptance = load_costs(self.cost_key)
             model = Scheduler(costs, self.max_gamma)
-            if acceptance is not None and costs.draft_per_pass is not None:
-                model.acceptance, model.draft_measured = acceptance, True
+            if acceptance is not None:
+                model.acceptance = acceptance
             self._schedulers = {
                 "model": model,
                 "lookup": Scheduler(costs, self.max_gamma, free_drafts=True),
@@ -263,6 +263,9 @@ def _decode(
         if gamma != "auto":
             model_drafter.catch_up()  # it will draft: take its prompt now, as prefill
     stats.prefill_time = time.perf_counter() - start
+    if gamma == "auto":
+        for source in ("model", "lookup"):
+            session.scheduler(source).start_call()
     verify = make_verifier(params, vocab)
     draw = make_sampler(params, vocab)
     eos = target.tokenizer.eos_token_ids

@@ -2,115 +2,170 @@
 
 import pytest
 
+from specmlx import schedule
 from specmlx.schedule import Acceptance, Costs, Scheduler
 
+T1 = 0.3  # seconds per plain step; only ratios to it matter
 
-def warmed(curve, draft_cost, alpha, max_gamma=8, weight=40.0):
-    """A scheduler that has seen T(k) = curve(k) for every k and acceptance alpha per position."""
-    costs = Costs({k: curve(k) for k in range(1, max_gamma + 2)}, draft_cost)
-    s = Scheduler(costs, max_gamma, draft_measured=True)
-    s.acceptance = Acceptance([alpha * weight] * max_gamma, [weight] * max_gamma)
+
+def measured(curve, draft_ratio, max_k=9, t1=T1):
+    """Costs after a plain step and three passes at every k of T(k)/T(1) = curve(k)."""
+    costs = Costs()
+    costs.observe_target(1, t1)
+    for k in range(2, max_k + 1):
+        for _ in range(3):
+            costs.observe_target(k, t1 * curve(k))
+    costs.observe_draft(t1 * draft_ratio)
+    return costs
+
+
+def warmed(curve, draft_ratio, alpha, max_gamma=8, weight=40.0, free=False):
+    """A scheduler, past its call's first probe, that has seen acceptance alpha."""
+    s = Scheduler(measured(curve, draft_ratio, max_gamma + 1), max_gamma, free, probed=True)
+    s.acceptance = Acceptance(alpha * weight, weight)
     return s
+
+
+# What this CPU measured for Qwen2.5-Coder 1.5B/0.5B INT4 on the native kernel.
+THIS_CPU = dict(curve=lambda k: 1 + 0.29 * (k - 1), draft_ratio=0.45)
 
 
 def test_compute_bound_verify_means_no_speculation():
     # MLX's INT4 CPU kernels: k new tokens cost k times one token.
-    s = warmed(lambda k: 0.3 * k, draft_cost=0.1, alpha=0.95)
-    assert s.choose().gamma == 0
+    assert warmed(lambda k: k, draft_ratio=0.3, alpha=0.95).choose().gamma == 0
 
 
 def test_flat_verify_with_good_drafts_means_speculation():
     # Memory-bound (GPU, or fp32 with a fast BLAS): verifying 9 tokens costs ~one.
-    s = warmed(lambda k: 0.3 * (1 + 0.02 * (k - 1)), draft_cost=0.03, alpha=0.8)
-    assert s.choose().gamma >= 3
+    assert warmed(lambda k: 1 + 0.02 * (k - 1), draft_ratio=0.1, alpha=0.8).choose().gamma >= 3
 
 
 def test_flat_verify_with_bad_drafts_means_no_speculation():
-    s = warmed(lambda k: 0.3, draft_cost=0.1, alpha=0.05)
-    assert s.choose().gamma == 0
+    assert warmed(lambda k: 1.0, draft_ratio=0.3, alpha=0.05).choose().gamma == 0
 
 
 def test_better_acceptance_never_shortens_gamma():
     chosen = [
-        warmed(lambda k: 0.3 * (1 + 0.1 * (k - 1)), 0.03, alpha).choose().gamma
+        warmed(lambda k: 1 + 0.1 * (k - 1), 0.1, alpha).choose().gamma
         for alpha in (0.3, 0.5, 0.7, 0.9, 0.97)
     ]
     assert chosen == sorted(chosen) and chosen[-1] > chosen[0]
 
 
 def test_free_drafts_are_worth_trying_even_when_the_draft_model_is_not():
-    costs = Costs({k: 0.3 * (1 + 0.05 * (k - 1)) for k in range(1, 10)}, draft_per_pass=0.5)
-    model = Scheduler(costs, draft_measured=True)
-    lookup = Scheduler(costs, free_drafts=True)
-    for s in (model, lookup):
-        s.acceptance.accepted, s.acceptance.reached = [6.0] * 8, [10.0] * 8
+    model = warmed(lambda k: 1 + 0.05 * (k - 1), draft_ratio=1.7, alpha=0.6)
+    lookup = warmed(lambda k: 1 + 0.05 * (k - 1), draft_ratio=1.7, alpha=0.6, free=True)
     assert model.choose().gamma == 0 and lookup.choose().gamma > 0
 
 
 def test_cold_start_measures_plain_then_probes():
     s = Scheduler(Costs())
     assert s.choose().gamma == 0  # first round: T(1)
-    s.record(0, 0, verify_s=0.3, draft_s=None, passes=0)
+    s.record(0, 0, verify_s=T1, draft_s=None, passes=0)
     g = s.choose().gamma
-    assert g > 0  # second round: T(g+1) and the draft's cost, with real drafts
-    s.record(g, 1, verify_s=0.3 * (g + 1), draft_s=0.1 * g, passes=g)
+    assert g == schedule.FIRST_PROBE  # then T(g+1), the draft's cost and this text's α
+    s.record(g, 1, verify_s=T1 * (g + 1), draft_s=0.1 * g, passes=g)
     assert s.choose().gamma == 0  # linear verify: it stops speculating
 
 
+def test_every_call_with_a_draft_model_starts_with_one_probe():
+    s = warmed(lambda k: k, draft_ratio=0.3, alpha=0.95)
+    assert s.choose().gamma == 0
+    s.start_call()
+    assert s.choose().gamma == schedule.FIRST_PROBE and not s.choose().cost_probe
+
+
+def test_prompt_lookup_needs_no_probe_per_call():
+    s = warmed(lambda k: k, draft_ratio=0.0, alpha=0.95, free=True)
+    s.start_call()
+    assert s.choose().gamma == 0
+
+
+def test_one_probe_tells_code_from_prose_on_this_cpu():
+    # Earlier calls saw prose (α 0.6). A probe whose 4 drafts all pass (code) is enough
+    # to speculate; one that fails at the third draft is enough to stop.
+    for accepted, speculates in ((4, True), (2, False)):
+        s = Scheduler(measured(**THIS_CPU), acceptance=Acceptance(prior=0.6))
+        s.start_call()
+        assert s.choose().gamma == schedule.FIRST_PROBE
+        s.record(4, accepted, verify_s=T1 * 1.87, draft_s=T1 * 0.45 * 4, passes=4)
+        assert (s.choose().gamma > 0) == speculates
+
+
 def test_after_choosing_zero_it_reprobes_with_backoff():
-    s = warmed(lambda k: 0.3 * k, draft_cost=0.1, alpha=0.95)
-    probes = [i for i in range(200) if s.choose().gamma > 0]
-    assert probes and all(b - a > 16 for a, b in zip(probes, probes[1:], strict=False))
-    assert probes[-1] - probes[-2] > probes[1] - probes[0]  # back-off grows
+    s = warmed(lambda k: 1 + 0.3 * (k - 1), draft_ratio=0.1, alpha=0.3)
+    probes = [i for i in range(300) if s.choose().gamma > 0]
+    assert probes[0] >= schedule.FIRST_BACKOFF - 1
+    assert len(probes) >= 2 and probes[-1] - probes[-2] > probes[1] - probes[0]
 
 
 def test_hopeless_costs_probe_without_the_draft_model():
     # Even perfect acceptance loses: re-probes only re-measure the cost curve, for free.
-    s = warmed(lambda k: 0.3 * k, draft_cost=0.1, alpha=0.95)
+    s = warmed(lambda k: k, draft_ratio=0.3, alpha=0.95)
     choice = next(c for c in (s.choose() for _ in range(100)) if c.gamma > 0)
-    assert choice.cost_probe and choice.gamma == 2  # short: only T(k)'s slope is in question
+    assert choice.cost_probe and choice.gamma == schedule.COST_PROBE
 
 
-def test_unmeasured_verify_lengths_are_interpolated_on_a_line():
-    costs = Costs({1: 1.0, 5: 3.0})
-    assert costs.target_time(3) == pytest.approx(2.0)
-    assert costs.target_time(9) == pytest.approx(5.0)
+def test_unmeasured_verify_lengths_lie_on_the_median_slope():
+    costs = Costs()
+    costs.observe_target(1, 1.0)
+    costs.observe_target(5, 3.0)  # slope 0.5 per extra token
+    assert costs.ratio(3) == pytest.approx(2.0)
+    assert costs.ratio(9) == pytest.approx(5.0)
 
 
-def test_expected_tokens_follow_the_per_position_acceptance():
-    a = Acceptance([8.0, 4.0], [10.0, 8.0])  # decayed counts
-    prior = 0.6 * 2
-    a1, a2 = (8 + prior) / 12, (4 + prior) / 10
-    assert a.expected_tokens(2) == pytest.approx(1 + a1 + a1 * a2)
+def test_one_slow_pass_cannot_lock_a_draft_length_out():
+    # A burst of load (or a first call at a new shape) made one 5-token pass 6x slower.
+    s = warmed(lambda k: 1 + 0.05 * (k - 1), draft_ratio=0.1, alpha=0.8)
+    s.costs.observe_target(5, T1 * 6)
+    assert s.costs.ratio(5) == pytest.approx(1.2)
+    assert s.choose().gamma >= 3
 
 
-def test_costs_survive_a_round_trip_through_json():
-    costs = Costs({1: 0.1, 5: 0.2}, 0.03)
-    assert Costs.from_json(costs.to_json()) == costs
+def test_load_that_slows_every_pass_alike_does_not_change_the_choice():
+    quiet = warmed(THIS_CPU["curve"], THIS_CPU["draft_ratio"], alpha=0.93)
+    busy = Scheduler(measured(**THIS_CPU, t1=3 * T1), probed=True, acceptance=quiet.acceptance)
+    assert quiet.choose().gamma == busy.choose().gamma > 0
+    assert busy.choose().predicted_tps == pytest.approx(quiet.choose().predicted_tps / 3)
+
+
+def test_expected_tokens_follow_the_acceptance():
+    a = Acceptance(accepted=6.0, judged=8.0)
+    alpha = (6 + schedule.PRIOR_ALPHA * schedule.PRIOR_WEIGHT) / (8 + schedule.PRIOR_WEIGHT)
+    assert a.alpha == pytest.approx(alpha)
+    assert a.expected_tokens(2) == pytest.approx(1 + alpha + alpha**2)
+
+
+def test_a_rejection_ends_what_the_target_judged():
+    a = Acceptance()
+    a.observe(g=4, n=1)  # d1 accepted, d2 rejected, d3 and d4 never judged
+    assert (a.accepted, a.judged) == (1, 2)
 
 
 def test_a_marginal_forecast_is_not_worth_speculating():
     # γ = 1 forecast 2% faster than plain decoding: within timing noise, so stay plain.
-    s = warmed(lambda k: 0.3 * (1 + 0.3 * (k - 1)), draft_cost=0.05, alpha=0.5)
+    s = warmed(lambda k: 1 + 0.3 * (k - 1), draft_ratio=1 / 6, alpha=0.5)
     plain, one = s.rate(0), s.rate(1)
     assert 1.0 < one / plain < 1.05
     assert s.choose().gamma == 0
 
 
-def test_costs_from_disk_are_checked_by_one_real_draft_round_per_session():
-    cached = Costs({k: 0.3 * k for k in range(1, 10)}, draft_per_pass=0.1)  # says: never draft
-    s = Scheduler(cached)
-    assert s.choose().gamma > 0 and not s.choose().cost_probe
-    s.record(4, 4, verify_s=0.32, draft_s=0.04, passes=4)  # this machine is memory-bound now
-    assert s.draft_measured and s.choose().gamma > 0
+def test_costs_survive_a_round_trip_through_json():
+    costs = measured(lambda k: 1 + 0.2 * k, draft_ratio=0.3)
+    assert Costs.from_json(costs.to_json()) == costs
 
 
-def test_acceptance_is_cached_with_the_costs(tmp_path, monkeypatch):
-    from specmlx import schedule
-
+def test_acceptance_is_cached_with_the_costs_as_a_prior(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECMLX_HOME", str(tmp_path))
-    seen = Acceptance([3.0, 1.0], [4.0, 3.0])
-    schedule.save_costs("pair", Costs({1: 0.2, 5: 0.4}, 0.1), seen)
-    costs, acceptance = schedule.load_costs("pair")
-    assert costs == Costs({1: 0.2, 5: 0.4}, 0.1) and acceptance == seen
+    costs, seen = measured(lambda k: k, 0.3), Acceptance(accepted=9.0, judged=10.0)
+    schedule.save_costs("pair", costs, seen)
+    loaded, acceptance = schedule.load_costs("pair")
+    assert loaded == costs and acceptance.alpha == pytest.approx(seen.alpha)
+    assert acceptance.judged == 0  # a prior: one probe of this call's text outweighs it
     assert schedule.load_costs("another pair") == (Costs(), None)
+
+
+def test_a_cache_in_an_older_format_is_ignored(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECMLX_HOME", str(tmp_path))
+    (tmp_path / "costs.json").write_text('{"pair": {"target": {"1": 0.2}, "draft": 0.1}}')
+    assert schedule.load_costs("pair") == (Costs(), None)
