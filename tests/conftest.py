@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
 import specmlx
+from specmlx.models import home
 from specmlx.tiny import build_tiny_model
 
 # A command run without --model must never fetch real weights in tests (the default pair
 # would otherwise be downloaded or built): "tiny" is the tiny random demo pair. Set in the
 # environment so that subprocesses (`python -m specmlx ...`) inherit it.
 os.environ.setdefault("SPECMLX_MODEL", "tiny")
+# Tests write costs, configs and demo models under $SPECMLX_HOME: never the user's own.
+# The real converted models (for the tests that use them when present) stay findable.
+os.environ.setdefault("SPECMLX_REAL_HOME", str(home()))
+os.environ["SPECMLX_HOME"] = tempfile.mkdtemp(prefix="specmlx-test-home-")
+atexit.register(shutil.rmtree, os.environ["SPECMLX_HOME"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -188,7 +188,7 @@ def test_offline_model_is_built_once_from_wheels(home, model_dirs, tmp_path, mon
     assert models.build_offline_model("fake", tmp_path / "wheels") == out
 
 
-REAL = Path(os.environ.get("SPECMLX_HOME") or Path.home() / ".cache" / "specmlx") / "models"
+REAL = Path(os.environ["SPECMLX_REAL_HOME"]) / "models"  # set by conftest
 
 
 def real_model(key: str) -> Path:
