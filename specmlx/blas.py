@@ -473,19 +473,25 @@ def pick_cpu_weights(module, requested: str, backend: str) -> tuple[str, str]:
     return "fp32", f"fast BLAS and {free / 2**30:.1f} GiB available"
 
 
-def expand_quantized(module) -> int:
+def expand_quantized(module, keep_bits: tuple[int, ...] = ()) -> int:
     """Replace quantized layers by float32 Linear / Embedding; returns how many.
 
     The new weights are lazy `mx.dequantize` of the packed ones, so nothing is computed
     here: each is expanded when first evaluated, and the packed copy is freed once no
     graph needs it. Tied heads work unchanged: Embedding.as_linear is a dense matmul.
+    Layers with `keep_bits` stay packed: specmlx's 8-bit embeddings and output heads, which
+    the native kernel runs 2.5-5x faster than OpenBLAS runs them in float32 at 1-8 rows
+    (bench/results/native_matmul.md), so the fp32 mode keeps them there.
     """
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_map_with_path
 
+    def expands(layer) -> bool:
+        return _is_quantized(layer) and layer.bits not in keep_bits
+
     def dense(_path: str, layer):
-        if not _is_quantized(layer):
+        if not expands(layer):
             return layer
         weight = mx.dequantize(
             layer["weight"],
@@ -504,7 +510,7 @@ def expand_quantized(module) -> int:
         new.weight = weight
         return new
 
-    count = sum(1 for m in module.modules() if _is_quantized(m))
+    count = sum(1 for m in module.modules() if expands(m))
     if count:
         leaves = tree_map_with_path(dense, module.leaf_modules(), is_leaf=nn.Module.is_module)
         module.update_modules(leaves)

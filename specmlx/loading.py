@@ -169,7 +169,10 @@ def load(
     cast_floating(module, chosen)
     weights, weights_why = pick_cpu_weights(module, cpu_weights, backend())
     if weights == "fp32":
-        expand_quantized(module)  # before the native patch: nothing INT4 is left for it
+        from .native import available as native_available
+
+        # Before the native patch, which then takes only the 8-bit layers left packed.
+        expand_quantized(module, keep_bits=(8,) if native and native_available() else ())
     if native:
         from .native import patch_model
 

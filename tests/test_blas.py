@@ -64,7 +64,7 @@ def test_fp32_target_speculates_with_an_int4_draft_exactly(int4_dir):
     assert spec.tokens == alone
 
 
-def test_tied_head_expands_and_stays_a_dense_matmul():
+def tiny_qwen2(tied: bool) -> nn.Module:
     from mlx_lm.models import qwen2
 
     args = qwen2.ModelArgs.from_dict(
@@ -77,16 +77,40 @@ def test_tied_head_expands_and_stays_a_dense_matmul():
             "num_key_value_heads": 2,
             "rms_norm_eps": 1e-6,
             "vocab_size": 256,
-            "tie_word_embeddings": True,
+            "tie_word_embeddings": tied,
         }
     )
     mx.random.seed(0)
-    model = qwen2.Model(args)
+    return qwen2.Model(args)
+
+
+def test_tied_head_expands_and_stays_a_dense_matmul():
+    model = tiny_qwen2(tied=True)
     nn.quantize(model, group_size=32, bits=4)
     mx.eval(model.parameters())
     before = model(TOKENS)
     assert blas.expand_quantized(model) == 8  # 7 linears + the tied embedding
     assert type(model.model.embed_tokens) is nn.Embedding
+    assert mx.allclose(model(TOKENS), before, atol=1e-4).item()
+
+
+def test_expansion_can_leave_8_bit_layers_packed():
+    # specmlx's checkpoints keep embeddings and heads at 8 bits: the native kernel runs
+    # those faster than a float32 BLAS, so the fp32 mode leaves them packed.
+    model = tiny_qwen2(tied=False)
+    nn.quantize(
+        model,
+        group_size=32,
+        bits=4,
+        class_predicate=lambda path, m: (
+            hasattr(m, "to_quantized")
+            and ({"group_size": 32, "bits": 8} if path == "lm_head" else True)
+        ),
+    )
+    mx.eval(model.parameters())
+    before = model(TOKENS)
+    assert blas.expand_quantized(model, keep_bits=(8,)) == 8  # 7 linears + the embedding
+    assert isinstance(model.lm_head, nn.QuantizedLinear) and model.lm_head.bits == 8
     assert mx.allclose(model(TOKENS), before, atol=1e-4).item()
 
 
