@@ -336,8 +336,10 @@ def build_modes(
     mlx_lm: bool = True,
     mlx_lm_target: bool = False,
     draft_modes: Iterable[str] = ("model",),
+    mlx_lm_gammas: list[int] | None = None,
 ) -> list[Mode]:
-    """The target alone, specmlx at each draft mode and γ, mlx-lm at each integer γ.
+    """The target alone, specmlx at each draft mode and γ, mlx-lm at each integer γ
+    (or at `mlx_lm_gammas`, e.g. to pit specmlx's auto against mlx-lm's best fixed γ).
 
     mlx-lm has neither an automatic γ nor prompt lookup, so it runs fixed γ, model draft.
     """
@@ -345,7 +347,8 @@ def build_modes(
     if mlx_lm_target:
         modes.append(Mode("mlx-lm", 0))
     if mlx_lm:
-        modes += [Mode("mlx-lm", g) for g in gammas if isinstance(g, int)]
+        fixed = mlx_lm_gammas or [g for g in gammas if isinstance(g, int)]
+        modes += [Mode("mlx-lm", g) for g in fixed]
     return modes
 
 

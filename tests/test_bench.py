@@ -143,6 +143,8 @@ def test_gamma_and_temperature_parsing():
         "mlx-lm:0",
         "mlx-lm:2",
     ]
+    modes = bench.build_modes(["auto"], mlx_lm_gammas=[3, 5])
+    assert [m.name for m in modes] == ["target", "specmlx:auto", "mlx-lm:3", "mlx-lm:5"]
     modes = bench.build_modes([3], mlx_lm=False, draft_modes=["model", "lookup"])
     assert [m.name for m in modes] == ["target", "specmlx:3", "specmlx/lookup:3"]
     assert bench.parse_draft_modes("model, lookup", ["model", "lookup"]) == ["model", "lookup"]

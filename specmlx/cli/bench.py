@@ -185,6 +185,9 @@ def bench(
     mlx_lm_target: bool = typer.Option(
         False, "--mlx-lm-target", help="Also run mlx-lm's plain decoding (its own baseline)."
     ),
+    mlx_lm_gamma: str = typer.Option(
+        None, "--mlx-lm-gamma", help="mlx-lm's γ values, if not --gamma's integers (e.g. 3,5)."
+    ),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Untimed first call per mode."),
     json_path: Path = typer.Option(None, "--json", help="Write every raw figure to this file."),
     plot_path: Path = typer.Option(None, "--plot", help="Write a PNG plot (needs matplotlib)."),
@@ -238,9 +241,8 @@ def bench(
     target, drafter, timings = options.load_timed(model, draft, False, dtype, log, cpu_weights)
     if drafter is None:
         raise options.SpecmlxError("bench needs a draft model: pass --draft")
-    modes = lib.build_modes(
-        gammas, mlx_lm=mlx_lm, mlx_lm_target=mlx_lm_target, draft_modes=draft_modes
-    )
+    mlx_lm_gammas = lib.parse_gammas(mlx_lm_gamma, False) if mlx_lm_gamma else None
+    modes = lib.build_modes(gammas, mlx_lm, mlx_lm_target, draft_modes, mlx_lm_gammas)
     runs = len(chosen) * len(temps) * len(modes)
     log(
         f"{len(chosen)} prompts × {len(temps)} temperatures × {len(modes)} modes = {runs} runs "
@@ -300,6 +302,7 @@ def bench(
         "--raw" if raw else "",
         "" if mlx_lm else "--no-mlx-lm",
         "--mlx-lm-target" if mlx_lm_target else "",
+        f"--mlx-lm-gamma {mlx_lm_gamma}" if mlx_lm_gamma and mlx_lm else "",
         "" if warmup else "--no-warmup",
     ]
     result["command"] = " ".join(part for part in parts if part)
