@@ -480,8 +480,8 @@ def expand_quantized(module, keep_bits: tuple[int, ...] = ()) -> int:
     here: each is expanded when first evaluated, and the packed copy is freed once no
     graph needs it. Tied heads work unchanged: Embedding.as_linear is a dense matmul.
     Layers with `keep_bits` stay packed: specmlx's 8-bit embeddings and output heads, which
-    the native kernel runs 2.5-5x faster than OpenBLAS runs them in float32 at 1-8 rows
-    (bench/results/native_matmul.md), so the fp32 mode keeps them there.
+    the native kernel runs 2-5x faster than OpenBLAS runs them in float32 at 1-8 rows
+    (bench/head_matmul.py), so the fp32 mode keeps them there.
     """
     import mlx.core as mx
     import mlx.nn as nn
