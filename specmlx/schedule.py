@@ -12,10 +12,12 @@ its ratio to the T(1) of the moment, and a figure is the median of its recent ra
 one outlier cannot lock a draft length out. The choice depends on ratios and α alone.
 
 α is estimated per generate() call: what earlier calls saw is only a weak prior, so one
-probe of a few drafts is enough to tell code (α ≈ 0.9) from prose (α ≈ 0.6). Each call
-with a draft model starts with one such probe; after that, speculation that does not
-pay is re-tried rarely, since a model draft that sat out must first catch up on every
-token it missed, which can cost several target passes.
+probe of a few drafts is often enough to tell code (α ≈ 0.9) from prose (α ≈ 0.6). Each
+call with a draft model starts with one such probe. After that, plain decoding looks
+again once the plain rounds since the last look can afford the look's forecast cost. A
+model draft that sat out must first catch up on every token it missed: cheap where a
+pass over many tokens costs about one (a fast BLAS, a GPU), several target passes where
+it does not (this CPU's INT4 kernel), so how often it looks follows the cost curve.
 """
 
 from __future__ import annotations
@@ -31,9 +33,15 @@ DECAY = 0.9  # weight kept by old acceptance observations per round: adapts with
 WINDOW = 16  # recent ratios kept per figure
 PRIOR_ALPHA = 0.6  # acceptance assumed before anything is known
 PRIOR_WEIGHT = 1.0  # how many drafts' worth of evidence the prior (or earlier calls) counts as
-FIRST_PROBE = 4  # draft length of a call's first, measuring round
-COST_PROBE = 2  # draft length of a re-probe
-FIRST_BACKOFF = 32  # plain rounds before speculation that did not pay is re-tried
+FIRST_PROBE = 4  # draft length of a call's first, measuring round, and of re-probes
+COST_PROBE = 2  # draft length of a probe that re-measures the verify cost curve only
+FIRST_BACKOFF = 32  # plain rounds before a cost-only probe; doubles after each
+# After this many rounds with drafts in a row, one plain round re-measures T(1), to which
+# every other cost is relative (a stale T(1) would make speculation look better or worse).
+REFRESH = 32
+# Re-probing acceptance may cost at most this share of the plain rounds since the last
+# probe (forecast: the draft's catch-up plus the round, less the tokens it should yield).
+EXPLORE = 0.05
 # Speculate only when the forecast beats plain decoding by this much: timings on a busy
 # machine are noisy, and a marginal forecast that is wrong costs more than it can gain.
 MARGIN = 1.05
@@ -48,16 +56,27 @@ def _push(samples: list[float], value: float) -> None:
 class Costs:
     """Pass costs as ratios to T(1): a target pass over k new tokens, a draft pass.
 
-    t1 (seconds, a decayed mean of plain steps) only turns ratios into tokens per second.
+    T(1) itself is the median of recent plain steps, the oldest left out: the first step
+    of a process pays one-time work (weights read or expanded on first use, compiles),
+    and one loaded from the cache is a figure from another run.
     """
 
-    t1: float | None = None
+    plain: list[float] = field(default_factory=list)  # recent plain steps, seconds
     target: dict[int, list[float]] = field(default_factory=dict)  # k ≥ 2 -> T(k)/T(1) seen
     draft: list[float] = field(default_factory=list)  # draft pass / T(1) seen
 
+    @property
+    def t1(self) -> float | None:
+        return median(self.plain[1:] or self.plain) if self.plain else None
+
+    @property
+    def settled(self) -> bool:
+        """Whether T(1) rests on more than the first step."""
+        return len(self.plain) > 1
+
     def observe_target(self, k: int, seconds: float) -> None:
         if k == 1:
-            self.t1 = seconds if self.t1 is None else DECAY * self.t1 + (1 - DECAY) * seconds
+            _push(self.plain, seconds)
         elif self.t1:
             _push(self.target.setdefault(k, []), seconds / self.t1)
 
@@ -88,7 +107,7 @@ class Costs:
 
     def to_json(self, acceptance: Acceptance | None = None) -> dict:
         out = {
-            "t1": self.t1,
+            "t1": self.t1,  # cached as one figure: the first fresh step replaces it
             "target": {str(k): v for k, v in self.target.items()},
             "draft": self.draft,
         }
@@ -99,7 +118,7 @@ class Costs:
     @classmethod
     def from_json(cls, data: dict) -> Costs:
         target = {int(k): [float(r) for r in v] for k, v in data["target"].items()}
-        return cls(float(data["t1"]), target, [float(r) for r in data["draft"]])
+        return cls([float(data["t1"])], target, [float(r) for r in data["draft"]])
 
 
 @dataclass
@@ -160,7 +179,8 @@ class Scheduler:
     max_gamma: int = 8
     free_drafts: bool = False
     acceptance: Acceptance = field(default_factory=Acceptance)
-    rounds_since_probe: int = 0
+    rounds_since_probe: int = 0  # plain rounds since the last with drafts
+    drafting: int = 0  # rounds with drafts since the last plain one
     backoff: int = FIRST_BACKOFF
     probed: bool = False  # this call has drafted at least once
 
@@ -187,27 +207,44 @@ class Scheduler:
         return rate / self.costs.t1 if self.costs.t1 else 0.0
 
     def choose(self) -> Choice:
-        if self.costs.t1 is None:
-            return Choice(0)  # a plain step measures T(1) and still emits a token
+        if not self.costs.settled:
+            return Choice(0)  # plain steps measure T(1) and still emit tokens
         first = min(FIRST_PROBE, self.max_gamma)
         if self.rate(first) is None or (not self.probed and not self.free_drafts):
             return Choice(first)  # measure what is missing; learn this text's α
         rates = {g: self.rate(g) or 0.0 for g in range(self.max_gamma + 1)}
         best = max(rates, key=rates.get)
         if best > 0 and rates[best] >= MARGIN * rates[0]:
+            if self.drafting >= REFRESH:
+                return Choice(0, predicted_tps=self.tps(rates[0]))
             self.rounds_since_probe = 0
             self.backoff = FIRST_BACKOFF
             return Choice(best, predicted_tps=self.tps(rates[best]))
         self.rounds_since_probe += 1
-        if self.rounds_since_probe < self.backoff:
-            return Choice(0, predicted_tps=self.tps(rates[0]))
+        plain = Choice(0, predicted_tps=self.tps(rates[0]))
+        if max(self.rate(g, perfect=True) or 0.0 for g in rates if g) < rates[0]:
+            # Even perfect drafts would lose: only T(k)'s slope is in question. Measure it
+            # now and then with free guesses, never paying for the draft model.
+            if self.rounds_since_probe < self.backoff:
+                return plain
+            self.rounds_since_probe = 0
+            self.backoff = min(self.backoff * 2, 1024)
+            return Choice(min(COST_PROBE, self.max_gamma), cost_probe=True)
+        # Speculation could pay if this text's α were higher than estimated: look again
+        # once the rounds since the last look can afford what a look costs.
+        if EXPLORE * self.rounds_since_probe < self.probe_loss(first, self.rounds_since_probe):
+            return plain
         self.rounds_since_probe = 0
-        self.backoff = min(self.backoff * 2, 1024)
-        probe = min(COST_PROBE, self.max_gamma)
-        hopeless = (self.rate(probe, perfect=True) or 0.0) < rates[0]
-        # When even perfect drafts would lose, only T(k)'s slope is in question: measure
-        # it with free guesses, without paying for the draft model's catch-up.
-        return Choice(probe, cost_probe=hopeless, predicted_tps=self.tps(rates[0]))
+        return Choice(first, predicted_tps=self.tps(rates[0]))
+
+    def probe_loss(self, g: int, backlog: int) -> float:
+        """The time a round of g drafts is expected to lose against plain decoding, in
+        T(1)s, after `backlog` plain rounds the draft model must first catch up on (one
+        pass over that many tokens, priced on the target's cost curve)."""
+        c = self.draft_ratio or 0.0
+        catch_up = c * (self.costs.ratio(backlog) or backlog) if backlog > 1 else 0.0
+        tokens = self.acceptance.expected_tokens(g)
+        return catch_up + g * c + (self.costs.ratio(g + 1) or g + 1) - tokens
 
     def record(
         self, g: int, n: int, verify_s: float, draft_s: float | None, passes: int | None
@@ -215,6 +252,7 @@ class Scheduler:
         """A finished round: g drafts, n accepted; draft_s None for a cost-only probe;
         passes: the draft's forward passes that draft_s paid for (None: not a clean figure)."""
         self.costs.observe_target(g + 1, verify_s)
+        self.drafting = self.drafting + 1 if g > 0 else 0
         if g > 0 and draft_s is not None:
             self.acceptance.observe(g, n)
             self.probed = True
