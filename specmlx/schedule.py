@@ -210,9 +210,12 @@ class Scheduler:
         if not self.costs.settled:
             return Choice(0)  # plain steps measure T(1) and still emit tokens
         first = min(FIRST_PROBE, self.max_gamma)
-        if self.rate(first) is None or (not self.probed and not self.free_drafts):
-            return Choice(first)  # measure what is missing; learn this text's α
+        if self.rate(first) is None:
+            return Choice(first)  # measure the draft's cost and T(k)
         rates = {g: self.rate(g) or 0.0 for g in range(self.max_gamma + 1)}
+        hopeless = max(self.rate(g, perfect=True) or 0.0 for g in rates if g) < rates[0]
+        if not (self.probed or self.free_drafts or hopeless):
+            return Choice(first)  # learn this text's α
         best = max(rates, key=rates.get)
         if best > 0 and rates[best] >= MARGIN * rates[0]:
             if self.drafting >= REFRESH:
@@ -222,7 +225,7 @@ class Scheduler:
             return Choice(best, predicted_tps=self.tps(rates[best]))
         self.rounds_since_probe += 1
         plain = Choice(0, predicted_tps=self.tps(rates[0]))
-        if max(self.rate(g, perfect=True) or 0.0 for g in rates if g) < rates[0]:
+        if hopeless:
             # Even perfect drafts would lose: only T(k)'s slope is in question. Measure it
             # now and then with free guesses, never paying for the draft model.
             if self.rounds_since_probe < self.backoff:
