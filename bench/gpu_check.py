@@ -23,10 +23,11 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen2
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import trim_prompt_cache
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 import specmlx
+from specmlx.kv_cache import make_cache
 from specmlx.loading import Model
 from specmlx.tiny import build_tiny_model
 
@@ -57,9 +58,13 @@ def random_model(shape: dict, vocab: int, dtype, tokenizer, seed: int) -> Model:
     return Model(module, tokenizer, config, Path(name), len(tokenizer), str(dtype).split(".")[-1])
 
 
-def target_step_times(model: Model, ks: list[int], context: int, reps: int) -> dict[int, float]:
-    """Median seconds of one target pass with k new tokens after `context` cached ones."""
-    cache = make_prompt_cache(model.module)
+def target_step_times(
+    model: Model, ks: list[int], context: int, reps: int, grow: bool = False
+) -> dict[int, float]:
+    """Median seconds of one target pass with k new tokens after `context` cached ones;
+    with `grow`, one of the k is kept each time, so every pass sees a new KV length (as
+    decoding does). Caches as the engine makes them (specmlx.kv_cache)."""
+    cache = make_cache(model.module)
     mx.eval(model.module(mx.arange(context)[None] % 300, cache=cache))
     times: dict[int, list[float]] = {k: [] for k in ks}
     for _ in range(reps):
@@ -68,7 +73,7 @@ def target_step_times(model: Model, ks: list[int], context: int, reps: int) -> d
             t = time.perf_counter()
             mx.eval(model.module(x, cache=cache))
             times[k].append(time.perf_counter() - t)
-            trim_prompt_cache(cache, k)
+            trim_prompt_cache(cache, k - 1 if grow else k)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -90,6 +95,7 @@ def main() -> None:
 
     ks = [1, 2, 3, 4, 5, 6, 7, 9]
     curve = target_step_times(target, ks, context=128, reps=5)
+    growing = target_step_times(target, ks, context=128, reps=5, grow=True)
     draft_curve = target_step_times(draft, [1], context=128, reps=5)
     prompt = list(range(40, 80))
     modes = [("target alone", None, 0), ("γ=2", draft, 2), ("γ=4", draft, 4), ("γ=6", draft, 6),
@@ -112,12 +118,16 @@ def main() -> None:
         "mlx": mx.__version__,
         "dtype": str(dtype),
         "shapes": shapes,
+        "kv_cache": type(make_cache(target.module)[0]).__name__,
         "target_step_s": curve,
+        "target_step_growing_s": growing,
         "draft_step_s": draft_curve[1],
         "runs": runs,
     }
     print(f"device {out['device']}  mlx {mx.__version__}  dtype {dtype}")
+    print(f"KV cache: {out['kv_cache']}")
     print("T(k)/T(1): " + "  ".join(f"k={k}: {curve[k] / curve[1]:.2f}" for k in ks))
+    print("at new KV lengths, T(k) ms: " + "  ".join(f"k={k}: {growing[k] * 1e3:.1f}" for k in ks))
     print(f"T(1) = {curve[1] * 1e3:.2f} ms, draft step = {draft_curve[1] * 1e3:.2f} ms")
     print(f"{'mode':16} {'tok/s':>8} {'speedup':>8} {'alpha':>6} {'tau':>5}  gamma used")
     for name, _, _ in modes:

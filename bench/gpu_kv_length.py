@@ -15,10 +15,11 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import trim_prompt_cache
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 import specmlx
+from specmlx.kv_cache import make_cache
 from specmlx.sampling import SamplingParams
 from specmlx.verify import make_verifier
 
@@ -44,7 +45,8 @@ def main() -> None:
     target = gpu_check.random_model(shapes["target"], 151936, dtype, tokenizer, 0)
     draft = gpu_check.random_model(shapes["draft"], 151936, dtype, tokenizer, 1)
 
-    cache = make_prompt_cache(target.module)
+    cache = make_cache(target.module)
+    print("KV cache:", type(cache[0]).__name__)
     mx.eval(target.module(mx.arange(128)[None], cache=cache))
     x3 = mx.array([[5, 6, 7]])
 

@@ -8,9 +8,10 @@ rule (verify.accept_reject) is the same for every drafter.
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import trim_prompt_cache
 from mlx_lm.utils import common_prefix_len
 
+from .kv_cache import make_cache
 from .loading import Model
 
 
@@ -60,7 +61,7 @@ class ModelDrafter:
 
     def __init__(self, model: Model):
         self.model = model
-        self.cache = make_prompt_cache(model.module)
+        self.cache = make_cache(model.module)
         self.cached: list[int] = []  # tokens whose KV entries are in the cache
         self.pending: list[int] = []  # emitted tokens not yet fed to the draft
         self.backlog = 0  # tokens the last proposal had to catch up on first

@@ -14,10 +14,11 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import trim_prompt_cache
 
 from .drafters import LookupDrafter, ModelDrafter, point_mass, sync_cache
 from .errors import SpecmlxError
+from .kv_cache import make_cache
 from .loading import Model, backend, check_pair
 from .sampling import SamplingParams
 from .schedule import Scheduler, load_costs, save_costs
@@ -114,7 +115,7 @@ class Session:
         self.target = target
         self.draft = draft
         self.max_gamma = max_gamma
-        self.cache = make_prompt_cache(target.module)
+        self.cache = make_cache(target.module)
         self.cached: list[int] = []  # tokens whose KV entries are in the target cache
         self.drafter = ModelDrafter(draft) if draft is not None else None
         self._schedulers: dict[str, Scheduler] = {}

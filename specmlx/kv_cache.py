@@ -1,0 +1,79 @@
+"""KV caches for both models: mlx-lm's, or a padded one where shapes must repeat.
+
+MLX's CUDA backend (0.32.4) builds attention kernels per shape: a target pass over 3 new
+tokens costs ~8 ms at a KV length it has seen and ~70 ms at a new one, and a growing
+context is always new, so on that backend every verify pass paid the build and
+speculation lost 4-5x (bench/results/gpu_h200.md). PaddedKVCache makes a pass over several
+tokens see the whole buffer, which grows in steps of 256 positions, with a mask that
+hides its unused tail: their KV length then changes once per 256 tokens. Masked positions get zero
+weight, so the result is the same up to float rounding (tested against mlx-lm's cache).
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+ENV = "SPECMLX_KV_PADDING"  # "1" always, "0" never, unset: where kernels are per shape
+
+
+class PaddedKVCache(KVCache):
+    """mlx-lm's KVCache whose keys and values are always the whole buffer."""
+
+    def _capacity(self, new: int) -> int:
+        """Buffer length once `new` more positions are stored: a multiple of `step`."""
+        have = 0 if self.keys is None else self.keys.shape[2]
+        need = self.offset + new
+        return have if need <= have else -(-need // self.step) * self.step
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        start, capacity = self.offset, self._capacity(keys.shape[2])
+        have = 0 if self.keys is None else self.keys.shape[2]
+        if capacity > have:
+            batch, heads, _, _ = keys.shape
+            grow_k = mx.zeros((batch, heads, capacity - have, keys.shape[3]), keys.dtype)
+            grow_v = mx.zeros((batch, heads, capacity - have, values.shape[3]), values.dtype)
+            if self.keys is None:
+                self.keys, self.values = grow_k, grow_v
+            else:
+                self.keys = mx.concatenate([self.keys, grow_k], axis=2)
+                self.values = mx.concatenate([self.values, grow_v], axis=2)
+        self.offset += keys.shape[2]
+        self.keys[..., start : self.offset, :] = keys
+        self.values[..., start : self.offset, :] = values
+        if keys.shape[2] == 1:  # one query: mlx-lm's exact length and no mask
+            return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        return self.keys, self.values
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
+        """(n, buffer length) booleans: causal over the stored positions, off beyond.
+
+        A single query keeps mlx-lm's unpadded path: its kernel takes any length without
+        a rebuild, and padding it cost plain decoding ~25% on the H200.
+        """
+        if n == 1:
+            return super().make_mask(n, return_array=return_array, window_size=window_size)
+        if window_size is not None:
+            raise ValueError("PaddedKVCache does not support sliding-window attention")
+        queries = mx.arange(self.offset, self.offset + n)[:, None]
+        return mx.arange(self._capacity(n))[None] <= queries
+
+
+def padding_wanted() -> bool:
+    """Whether attention kernels are built per shape here (MLX CUDA), or ENV says so."""
+    setting = os.environ.get(ENV, "")
+    if setting in ("0", "1"):
+        return setting == "1"
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+def make_cache(module: nn.Module) -> list:
+    """mlx-lm's prompt cache for `module`, padded where `padding_wanted()` and every layer
+    uses a plain KVCache (sliding windows and state-space layers keep their own)."""
+    caches = make_prompt_cache(module)
+    if padding_wanted() and all(type(c) is KVCache for c in caches):
+        return [PaddedKVCache() for _ in caches]
+    return caches
