@@ -33,7 +33,9 @@ DECAY = 0.9  # weight kept by old acceptance observations per round: adapts with
 WINDOW = 16  # recent ratios kept per figure
 PRIOR_ALPHA = 0.6  # acceptance assumed before anything is known
 PRIOR_WEIGHT = 1.0  # how many drafts' worth of evidence the prior (or earlier calls) counts as
-FIRST_PROBE = 4  # draft length of a call's first, measuring round, and of re-probes
+# Draft length of a call's first, measuring round, and of re-probes: 3 drafts tell code
+# from prose, at ~1 plain step's loss on prose where a draft pass costs ~0.45 of one.
+FIRST_PROBE = 3
 COST_PROBE = 2  # draft length of a probe that re-measures the verify cost curve only
 FIRST_BACKOFF = 32  # plain rounds before a cost-only probe; doubles after each
 # After this many rounds with drafts in a row, one plain round re-measures T(1), to which

@@ -91,13 +91,16 @@ def test_prompt_lookup_needs_no_probe_per_call():
 
 
 def test_one_probe_tells_code_from_prose_on_this_cpu():
-    # Earlier calls saw prose (α 0.6). A probe whose 4 drafts all pass (code) is enough
-    # to speculate; one that fails at the third draft is enough to stop.
-    for accepted, speculates in ((4, True), (2, False)):
+    # Earlier calls saw prose (α 0.6). A probe whose drafts all pass (code) is enough
+    # to speculate; one that fails at the second draft is enough to stop.
+    g = schedule.FIRST_PROBE
+    for accepted, speculates in ((g, True), (1, False)):
         s = Scheduler(measured(**THIS_CPU), acceptance=Acceptance(prior=0.6))
         s.start_call()
-        assert s.choose().gamma == schedule.FIRST_PROBE
-        s.record(4, accepted, verify_s=T1 * 1.87, draft_s=T1 * 0.45 * 4, passes=4)
+        assert s.choose().gamma == g
+        s.record(
+            g, accepted, verify_s=T1 * THIS_CPU["curve"](g + 1), draft_s=0.45 * T1 * g, passes=g
+        )
         assert (s.choose().gamma > 0) == speculates
 
 
