@@ -12,26 +12,14 @@ layers packed.
 from __future__ import annotations
 
 import os
-import statistics
-import time
 
-from specmlx import blas
+import native_matmul  # first: it activates the fast BLAS before mlx is loaded
 
-blas.activate()  # before mlx is imported, so MLX's sgemm is OpenBLAS when there is one
+median_ms = native_matmul.median_ms
 
 import mlx.core as mx  # noqa: E402
 
-from specmlx import native  # noqa: E402
-
-
-def median_ms(fn, reps: int = 7) -> float:
-    mx.eval(fn())
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000
+from specmlx import blas, native  # noqa: E402
 
 
 def main() -> None:
@@ -48,8 +36,8 @@ def main() -> None:
         for m in (1, 2, 5, 8):
             x = mx.random.normal((m, cols))
             mx.eval(x)
-            dense = median_ms(lambda: x @ w.T)  # noqa: B023
-            packed = median_ms(lambda: native.quantized_matmul(x, q, scales, biases, 64, 8))  # noqa: B023
+            dense = median_ms(lambda: x @ w.T, 7)  # noqa: B023
+            packed = median_ms(lambda: native.quantized_matmul(x, q, scales, biases, 64, 8), 7)  # noqa: B023
             print(f"| {name} | {m} | {dense:.1f} | {packed:.1f} | {dense / packed:.1f}x |")
 
 
