@@ -143,6 +143,15 @@ def test_the_first_plain_step_is_left_out_of_t1():
     assert costs.t1 == pytest.approx(0.9)
 
 
+def test_a_cached_t1_stands_in_until_this_process_has_its_own():
+    cached = Costs.from_json(measured(lambda k: k, 0.3, t1=0.15).to_json())
+    assert cached.t1 == 0.15 and not cached.settled
+    cached.observe_target(1, 0.45)  # the process's first step: one-time work
+    assert cached.t1 == 0.15
+    cached.observe_target(1, 0.2)
+    assert cached.settled and cached.t1 == 0.2
+
+
 def test_long_speculation_pauses_once_to_remeasure_t1():
     s = warmed(lambda k: 1 + 0.02 * (k - 1), draft_ratio=0.1, alpha=0.9)
     for _ in range(schedule.REFRESH):
@@ -156,6 +165,7 @@ def test_long_speculation_pauses_once_to_remeasure_t1():
 
 def test_unmeasured_verify_lengths_lie_on_the_median_slope():
     costs = Costs()
+    costs.observe_target(1, 1.0)
     costs.observe_target(1, 1.0)
     costs.observe_target(5, 3.0)  # slope 0.5 per extra token
     assert costs.ratio(3) == pytest.approx(2.0)
