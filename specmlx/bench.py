@@ -204,11 +204,13 @@ def select_prompts(
     categories: Iterable[str] | None = None,
     limit: int | None = None,
     shortest: bool = False,
+    skip: int = 0,
 ) -> list[Prompt]:
     """Filter by split and category, then take `limit` prompts round-robin over categories.
 
     Within a category prompts keep the suite's order, or go shortest first with
-    `shortest` (cheap prefill: a quick run on a slow machine).
+    `shortest` (cheap prefill: a quick run on a slow machine); `skip` leaves out the first
+    prompts of each category (a long run split in parts: humaneval 0-19, then 20-39).
     """
     if split not in SPLITS:
         raise SpecmlxError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
@@ -235,6 +237,8 @@ def select_prompts(
     if shortest:
         for items in by_category.values():
             items.sort(key=lambda p: len(p.text))
+    for items in by_category.values():
+        del items[:skip]
     order = wanted or [c for c in SPREAD if c in by_category]
     queues = [by_category[c] for c in order if c in by_category]
     total = sum(len(q) for q in queues)

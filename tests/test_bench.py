@@ -62,6 +62,13 @@ def test_split_honours_the_held_out_rule():
         bench.select_prompts(suite, categories=["poetry"])
 
 
+def test_skip_takes_a_later_part_of_each_category():
+    suite = bench.read_suite()
+    first = bench.select_prompts(suite, categories=["humaneval"], limit=4)
+    later = bench.select_prompts(suite, categories=["humaneval"], limit=2, skip=2)
+    assert [p.id for p in later] == [p.id for p in first[2:]]
+
+
 def test_selection_is_round_robin_and_shortest_first():
     suite = bench.read_suite()
     chosen = bench.select_prompts(suite, categories=["qa", "writing"], limit=5, shortest=True)

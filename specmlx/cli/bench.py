@@ -171,6 +171,9 @@ def bench(
         None, "--prompts", "--limit", help="Prompts in all, round-robin over categories."
     ),
     shortest: bool = typer.Option(False, "--shortest", help="Shortest prompts of each category."),
+    skip: int = typer.Option(
+        0, "--skip", help="Leave out the first N prompts of each category (run in parts)."
+    ),
     max_tokens: int = typer.Option(
         None, "--max-tokens", "-n", help="Tokens per run (default 128)."
     ),
@@ -229,6 +232,7 @@ def bench(
         categories=[c.strip() for c in categories.split(",") if c.strip()] if categories else None,
         limit=prompts or preset.get("prompts"),
         shortest=shortest or quick,
+        skip=skip,
     )
     if plot_path is not None:
         try:
@@ -298,6 +302,7 @@ def bench(
         f"--categories {categories}" if categories else "",
         f"--prompts {len(chosen)}",
         "--shortest" if shortest or quick else "",
+        f"--skip {skip}" if skip else "",
         f"--max-tokens {max_tokens} --seed {seed}",
         "--raw" if raw else "",
         "" if mlx_lm else "--no-mlx-lm",
