@@ -219,19 +219,18 @@ class Scheduler:
         if self.rate(first) is None:
             return Choice(first)  # measure the draft's cost and T(k)
         rates = {g: self.rate(g) or 0.0 for g in range(self.max_gamma + 1)}
-        hopeless = max(self.rate(g, perfect=True) or 0.0 for g in rates if g) < rates[0]
-        if not (self.probed or self.free_drafts or hopeless):
+        if not (self.probed or self.free_drafts or self.hopeless(rates[0])):
             return Choice(first)  # learn this text's α
+        plain = Choice(0, predicted_tps=self.tps(rates[0]))
         best = max(rates, key=rates.get)
         if best > 0 and rates[best] >= MARGIN * rates[0]:
             if self.drafting >= REFRESH:
-                return Choice(0, predicted_tps=self.tps(rates[0]))
+                return plain
             self.rounds_since_probe = 0
             self.backoff = FIRST_BACKOFF
             return Choice(best, predicted_tps=self.tps(rates[best]))
         self.rounds_since_probe += 1
-        plain = Choice(0, predicted_tps=self.tps(rates[0]))
-        if hopeless:
+        if self.hopeless(rates[0]):
             # Even perfect drafts would lose: only T(k)'s slope is in question. Measure it
             # now and then with free guesses, never paying for the draft model.
             if self.rounds_since_probe < self.backoff:
@@ -245,6 +244,11 @@ class Scheduler:
             return plain
         self.rounds_since_probe = 0
         return Choice(first, predicted_tps=self.tps(rates[0]))
+
+    def hopeless(self, plain_rate: float) -> bool:
+        """Whether even perfect drafts would lose to plain decoding, at any γ."""
+        rates = (self.rate(g, perfect=True) or 0.0 for g in range(1, self.max_gamma + 1))
+        return max(rates) < plain_rate
 
     def probe_loss(self, g: int, backlog: int) -> float:
         """The time a round of g drafts is expected to lose against plain decoding, in
