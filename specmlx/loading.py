@@ -168,14 +168,13 @@ def load(
     chosen = pick_dtype(config, dtype)
     cast_floating(module, chosen)
     weights, weights_why = pick_cpu_weights(module, cpu_weights, backend())
-    if weights == "fp32":
+    if native:
         from .native import available as native_available
-
+        from .native import patch_model
+    if weights == "fp32":
         # Before the native patch, which then takes only the 8-bit layers left packed.
         expand_quantized(module, keep_bits=(8,) if native and native_available() else ())
     if native:
-        from .native import patch_model
-
         patch_model(module)
     if not lazy:
         mx.async_eval(module.parameters())  # read the weights while the tokenizer loads
