@@ -14,8 +14,10 @@ from mlx_lm.utils import common_prefix_len
 from .kv_cache import make_cache
 from .loading import Model
 
+PREFILL_STEP = 512  # tokens per prefill chunk: bounds the activations' memory
 
-def prefill(model: Model, cache: list, tokens: list[int], step: int = 512) -> None:
+
+def prefill(model: Model, cache: list, tokens: list[int], step: int = PREFILL_STEP) -> None:
     """Run `tokens` through `model` into `cache`, in chunks so memory stays bounded."""
     for start in range(0, len(tokens), step):
         chunk = mx.array(tokens[start : start + step], mx.uint32)[None]
@@ -86,7 +88,10 @@ class ModelDrafter:
         probs are None at temperature 0, and so is the second array returned.
         """
         self.backlog = len(self.pending) - 1
-        self.catch_up()
+        if self.backlog >= PREFILL_STEP:  # a long wait: feed it in bounded chunks first
+            self.catch_up()
+        # What the draft missed (the last accepted draft, plain rounds) rides with the
+        # token it drafts from: one pass over a few tokens costs little more than one.
         self.cached += self.pending
         x = mx.array(self.pending, mx.uint32)
         tokens, qs = [], []

@@ -284,6 +284,7 @@ def _decode(
         source, g, scheduler, found = _plan_round(session, gamma, model_drafter, lookup, stats)
         # Never draft past max_tokens: a fully accepted round emits g + 1 tokens.
         g = min(g, max_tokens - stats.tokens - 1) if speculate else 0
+        caught_up = False  # this round's draft time includes tokens decoded before it
         if g > 0:
             draft_key, verify_key = mx.random.split(round_key)
             if source == "model":
@@ -291,6 +292,7 @@ def _decode(
                     prompt_part = len(model_drafter.pending) - stats.tokens
                     fed = model_drafter.catch_up()
                     prompt_pending = False
+                    caught_up = fed > prompt_part
                     moved = (time.perf_counter() - t0) * min(prompt_part, fed) / max(fed, 1)
                     stats.prefill_time += moved
                     not_decode += moved
@@ -323,10 +325,8 @@ def _decode(
         stats.rounds_by_gamma[g] = stats.rounds_by_gamma.get(g, 0) + 1
         stats.rounds_by_source[source] = stats.rounds_by_source.get(source, 0) + 1
         if scheduler is not None:
-            # A draft pass costs about the same for 1 or 2 tokens (per-layer overhead rules
-            # small models), so its cost is per pass; a catch-up round says nothing of it.
-            passes = g if source != "model" or model_drafter.backlog <= 1 else None
             draft_s = None if source == "probe" else t1 - t0
+            passes = None if caught_up else _draft_passes(source, g, model_drafter, scheduler)
             scheduler.record(g, n, t2 - t1, draft_s, passes)
         cached += [last] + drafts[:n]
         block = drafts[:n] + [token]
@@ -390,6 +390,19 @@ def _plan_round(
     if source == "lookup":
         return source, len(found[: choice.gamma]), scheduler, found
     return source, choice.gamma, scheduler, found
+
+
+def _draft_passes(
+    source: str, g: int, drafter: ModelDrafter | None, scheduler: Scheduler
+) -> float | None:
+    """How many one-token draft passes this round's draft time stands for, or None when
+    it is no clean figure of one: a first pass that also fed a long backlog."""
+    if source != "model" or drafter.backlog == 0:
+        return g
+    if drafter.backlog == 1:  # after a fully accepted round: its last draft rode along
+        two = scheduler.costs.ratio(2)  # priced on the target's curve, the same shape
+        return g - 1 + two if two else None
+    return None
 
 
 def _count_positions(stats: Stats, g: int, n: int) -> None:

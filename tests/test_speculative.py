@@ -1,5 +1,6 @@
 """The speculative engine: greedy exactness, cache rollback, stops, seeds, pair checks."""
 
+import dataclasses
 import shutil
 
 import mlx.core as mx
@@ -61,6 +62,35 @@ def test_draft_equal_to_target_accepts_everything(no_eos, temperature):
     ).run()
     assert gen.stats.acceptance >= 0.99  # 1.0 up to float error between 1- and 5-token passes
     assert gen.stats.tokens_per_pass > 4.5
+
+
+class CountingModule:
+    """A model module that records the width of every forward pass."""
+
+    def __init__(self, module):
+        self.module = module
+        self.widths: list[int] = []
+
+    def __call__(self, x, cache=None):
+        self.widths.append(x.shape[1])
+        return self.module(x, cache=cache)
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
+
+
+def test_a_fully_accepted_drafts_last_token_rides_with_the_next_first_pass(no_eos):
+    # The draft never fed its own last draft through itself: when the target accepts it,
+    # the next round feeds it together with the bonus token, in one pass of width 2.
+    target = no_eos["target"]
+    counting = CountingModule(target.module)
+    draft = dataclasses.replace(target, module=counting)
+    gen = specmlx.generate(target, PROMPT, draft=draft, num_draft=4, max_tokens=25).run()
+    assert gen.stats.acceptance == 1.0
+    rounds = gen.stats.target_passes
+    decode = counting.widths[-4 * rounds :]  # before them: the prompt's prefill
+    assert len(counting.widths) == 4 * rounds + 1
+    assert decode == [1, 1, 1, 1] + [2, 1, 1, 1] * (rounds - 1)
 
 
 def test_caches_after_rejections_equal_a_fresh_prefill(no_eos):
