@@ -11,13 +11,17 @@ call at a new shape), so each multi-token target pass and each draft pass is rec
 its ratio to the T(1) of the moment, and a figure is the median of its recent ratios:
 one outlier cannot lock a draft length out. The choice depends on ratios and α alone.
 
-α is estimated per generate() call: what earlier calls saw is only a weak prior, so one
-probe of a few drafts is often enough to tell code (α ≈ 0.9) from prose (α ≈ 0.6). Each
-call with a draft model starts with one such probe. After that, plain decoding looks
-again once the plain rounds since the last look can afford the look's forecast cost. A
-model draft that sat out must first catch up on every token it missed: cheap where a
-pass over many tokens costs about one (a fast BLAS, a GPU), several target passes where
-it does not (this CPU's INT4 kernel), so how often it looks follows the cost curve.
+α is estimated per generate() call: what earlier calls saw is only a weak prior. A call
+looks at its own text with a few drafts (a probe) once its plain rounds can afford the
+look's forecast loss: at once where drafting is expected to pay, after a few tokens where
+it is not (a short reply never pays for a look that cannot win). A look drafts as many
+tokens as learn α most cheaply: one on this CPU's INT4 kernel, where each extra verified
+token costs a quarter of a pass, more where the cost curve is flat. Drafting then goes on
+while the forecast stays near even (hysteresis), and after it stops plain decoding looks
+again once the rounds since can afford it. A model draft that sat out must first catch up
+on every token it missed: cheap where a pass over many tokens costs about one (a fast
+BLAS, a GPU), several target passes where it does not, so how often it looks follows the
+cost curve. bench/schedule_sim.py replays this policy on synthetic texts.
 """
 
 from __future__ import annotations
@@ -33,20 +37,28 @@ DECAY = 0.9  # weight kept by old acceptance observations per round: adapts with
 WINDOW = 16  # recent ratios kept per figure
 PRIOR_ALPHA = 0.6  # acceptance assumed before anything is known
 PRIOR_WEIGHT = 1.0  # how many drafts' worth of evidence the prior (or earlier calls) counts as
-# Draft length of a call's first, measuring round, and of re-probes: 3 drafts tell code
-# from prose, at ~1 plain step's loss on prose where a draft pass costs ~0.45 of one.
+# Draft length of the round that first measures the draft's cost and T(k), and the
+# longest look at a text's α (probe_length picks the cheapest up to it).
 FIRST_PROBE = 3
 COST_PROBE = 2  # draft length of a probe that re-measures the verify cost curve only
 FIRST_BACKOFF = 32  # plain rounds before a cost-only probe; doubles after each
 # After this many rounds with drafts in a row, one plain round re-measures T(1), to which
 # every other cost is relative (a stale T(1) would make speculation look better or worse).
 REFRESH = 32
-# Re-probing acceptance may cost at most this share of the plain rounds since the last
-# probe (forecast: the draft's catch-up plus the round, less the tokens it should yield).
+# Looking again at acceptance may cost at most this share of the plain rounds since the
+# last look (forecast: the draft's catch-up plus the round, less the tokens it yields).
 EXPLORE = 0.05
+# The same for a call's first look at its text, which has more to learn: code or prose.
+# Where a look is forecast to lose (this CPU's INT4 kernel, α from prose), it waits a few
+# tokens: a 7-token reply then never pays for one (bench/schedule_sim.py: 0.2 keeps short
+# replies within 4% of plain decoding and still finds code).
+FIRST_EXPLORE = 0.2
 # Speculate only when the forecast beats plain decoding by this much: timings on a busy
 # machine are noisy, and a marginal forecast that is wrong costs more than it can gain.
 MARGIN = 1.05
+# Plain steps (after the process's first) that T(1) needs before any ratio is taken to
+# it: every cost is relative to T(1), so one noisy step would skew them all for a call.
+SETTLE = 3
 
 
 def _push(samples: list[float], value: float) -> None:
@@ -70,8 +82,8 @@ class Costs:
 
     @property
     def settled(self) -> bool:
-        """Whether T(1) rests on this process's steps after its first."""
-        return len(self.plain) > 1
+        """Whether T(1) rests on enough of this process's steps after its first."""
+        return len(self.plain) > SETTLE
 
     @property
     def t1(self) -> float | None:
@@ -116,6 +128,9 @@ class Costs:
             "t1": self.t1,  # one figure: it stands in until this process has its own
             "target": {str(k): v for k, v in self.target.items()},
             "draft": self.draft,
+            # This process's plain steps: its next Session goes on from them rather than
+            # from one or two new steps (whose noise would skew every ratio of a call).
+            "plain": {"pid": os.getpid(), "seconds": self.plain},
         }
         if acceptance is not None and acceptance.seen:
             out["acceptance"] = acceptance.to_json()
@@ -124,7 +139,10 @@ class Costs:
     @classmethod
     def from_json(cls, data: dict) -> Costs:
         target = {int(k): [float(r) for r in v] for k, v in data["target"].items()}
-        return cls([], target, [float(r) for r in data["draft"]], float(data["t1"]))
+        plain = data.get("plain") or {}
+        ours = plain.get("pid") == os.getpid()  # another process's steps are not its T(1)
+        mine = [float(t) for t in plain.get("seconds", [])] if ours else []
+        return cls(mine, target, [float(r) for r in data["draft"]], float(data["t1"]))
 
 
 @dataclass
@@ -152,6 +170,10 @@ class Acceptance:
     def expected_tokens(self, g: int) -> float:
         """E[N] for g drafts: 1 + α + … + α^g."""
         return sum(self.alpha**i for i in range(g + 1))
+
+    def expected_judged(self, g: int) -> float:
+        """Drafts the target rules on out of g: 1 + α + … + α^(g-1)."""
+        return sum(self.alpha**i for i in range(g))
 
     def as_prior(self) -> Acceptance:
         """What a new call starts from: this α, with the weight of a prior only."""
@@ -189,11 +211,12 @@ class Scheduler:
     drafting: int = 0  # rounds with drafts since the last plain one
     backoff: int = FIRST_BACKOFF
     probed: bool = False  # this call has drafted at least once
+    paused: bool = False  # the last round was plain only to re-measure T(1)
 
     def start_call(self) -> None:
         """A new generate() call: a new text, whose acceptance is learnt afresh."""
         self.acceptance = self.acceptance.as_prior()
-        self.probed = False
+        self.probed = self.paused = False
         self.rounds_since_probe = 0
         self.backoff = FIRST_BACKOFF
 
@@ -206,8 +229,13 @@ class Scheduler:
         verify = self.costs.ratio(g + 1)
         if verify is None or (g > 0 and self.draft_ratio is None):
             return None
+        alpha = 1.0 if perfect else self.acceptance.alpha
         tokens = g + 1 if perfect else self.acceptance.expected_tokens(g)
-        return tokens / (g * (self.draft_ratio or 0.0) + verify)
+        c = self.draft_ratio or 0.0
+        # When every draft passes, the last one was never fed to the draft model: the
+        # next round's first draft pass takes it too, a two-token pass.
+        carry = alpha**g * c * ((self.costs.ratio(2) or 2.0) - 1) if g > 0 else 0.0
+        return tokens / (g * c + carry + verify)
 
     def tps(self, rate: float) -> float:
         return rate / self.costs.t1 if self.costs.t1 else 0.0
@@ -219,12 +247,18 @@ class Scheduler:
         if self.rate(first) is None:
             return Choice(first)  # measure the draft's cost and T(k)
         rates = {g: self.rate(g) or 0.0 for g in range(self.max_gamma + 1)}
-        if not (self.probed or self.free_drafts or self.hopeless(rates[0])):
-            return Choice(first)  # learn this text's α
         plain = Choice(0, predicted_tps=self.tps(rates[0]))
-        best = max(rates, key=rates.get)
-        if best > 0 and rates[best] >= MARGIN * rates[0]:
+        best = max(range(1, self.max_gamma + 1), key=rates.get)
+        # Hysteresis: starting to draft needs the forecast to win by the margin, stopping
+        # needs it to lose by as much. A draft model that stops falls behind, and bringing
+        # it back costs a pass over every token it missed; going on while the forecast is
+        # near even keeps learning this text's α at a small cost.
+        going_on, self.paused = self.drafting > 0 or self.paused, False
+        need = 1 / MARGIN if going_on else MARGIN
+        known = self.probed or self.free_drafts  # this text's α, not only the prior's guess
+        if known and rates[best] >= need * rates[0]:
             if self.drafting >= REFRESH:
+                self.paused = True
                 return plain
             self.rounds_since_probe = 0
             self.backoff = FIRST_BACKOFF
@@ -238,32 +272,49 @@ class Scheduler:
             self.rounds_since_probe = 0
             self.backoff = min(self.backoff * 2, 1024)
             return Choice(min(COST_PROBE, self.max_gamma), cost_probe=True)
-        # Speculation could pay if this text's α were higher than estimated: look again
-        # once the rounds since the last look can afford what a look costs.
-        if EXPLORE * self.rounds_since_probe < self.probe_loss(first, self.rounds_since_probe):
+        # This text's α may be higher than estimated: look once the plain rounds since the
+        # last look (or since the call began) can afford the look's forecast loss.
+        backlog = self.rounds_since_probe
+        g = self.probe_length(first)
+        opening = not (self.probed or self.free_drafts)  # a call's first look at its text
+        budget = (FIRST_EXPLORE if opening else EXPLORE) * backlog
+        if self.probe_loss(g, backlog) > budget:
             return plain
         self.rounds_since_probe = 0
-        return Choice(first, predicted_tps=self.tps(rates[0]))
+        return Choice(g, predicted_tps=self.tps(rates[0]))
 
     def hopeless(self, plain_rate: float) -> bool:
         """Whether even perfect drafts would lose to plain decoding, at any γ."""
         rates = (self.rate(g, perfect=True) or 0.0 for g in range(1, self.max_gamma + 1))
         return max(rates) < plain_rate
 
+    def probe_length(self, longest: int) -> int:
+        """The draft length that learns α most cheaply: where some length is expected to
+        pay, the one that pays best; else the least loss per draft the target judges (a
+        rejection ends the judging, so at low α a long probe costs more and tells little
+        more: on this CPU's INT4 kernel one draft, on a flat cost curve three)."""
+        backlog = self.rounds_since_probe
+        lengths = range(1, longest + 1)
+        paying = [g for g in lengths if self.probe_loss(g, backlog) <= 0]
+        if paying:
+            return max(paying, key=lambda g: self.rate(g) or 0.0)
+        judged = self.acceptance.expected_judged
+        return min(lengths, key=lambda g: self.probe_loss(g, backlog) / judged(g))
+
     def probe_loss(self, g: int, backlog: int) -> float:
         """The time a round of g drafts is expected to lose against plain decoding, in
-        T(1)s, after `backlog` plain rounds the draft model must first catch up on (one
-        pass over that many tokens, priced on the target's cost curve)."""
+        T(1)s, after `backlog` plain rounds the draft model must first catch up on (its
+        first pass takes them too, priced on the target's cost curve)."""
         c = self.draft_ratio or 0.0
-        catch_up = c * (self.costs.ratio(backlog) or backlog) if backlog > 1 else 0.0
+        catch_up = c * ((self.costs.ratio(backlog + 1) or backlog + 1) - 1)
         tokens = self.acceptance.expected_tokens(g)
         return catch_up + g * c + (self.costs.ratio(g + 1) or g + 1) - tokens
 
     def record(
-        self, g: int, n: int, verify_s: float, draft_s: float | None, passes: int | None
+        self, g: int, n: int, verify_s: float, draft_s: float | None, passes: float | None
     ) -> None:
         """A finished round: g drafts, n accepted; draft_s None for a cost-only probe;
-        passes: the draft's forward passes that draft_s paid for (None: not a clean figure)."""
+        passes: one-token draft passes that draft_s stands for (None: not a clean figure)."""
         self.costs.observe_target(g + 1, verify_s)
         self.drafting = self.drafting + 1 if g > 0 else 0
         if g > 0 and draft_s is not None:

@@ -1,0 +1,132 @@
+"""Replay the γ policy (specmlx.schedule.Scheduler, the real class) on synthetic texts.
+
+A bench run on this CPU takes minutes per prompt and varies ±15% between identical runs,
+so it cannot tell a 3% policy change from noise. This script can: it runs the scheduler
+against a cost curve and an acceptance process, thousands of calls, and reports each
+policy's tokens per unit of time against plain decoding. It is a model of the engine
+(what `_decode` charges a round, how the draft catches up), not a measurement; the
+costs it starts from are the ones measured on this machine (bench/results/README.md).
+
+    python bench/schedule_sim.py                       # every profile and text kind
+    python bench/schedule_sim.py --profile int4 --calls 400
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from dataclasses import dataclass
+from statistics import mean
+
+from specmlx.schedule import Costs, Scheduler
+
+# Costs as ratios to one plain target step T(1): draft pass c, T(k)/T(1) = 1 + slope·(k-1).
+PROFILES = {
+    "int4": dict(c=0.5, slope=0.26),  # native INT4 kernel, Qwen2.5-Coder 1.5B / 0.5B
+    "fp32": dict(c=0.35, slope=0.05),  # --cpu-weights fp32 on OpenBLAS, same pair
+}
+
+
+@dataclass
+class Text:
+    """A reply: its length, its acceptance, and a harder opening (the first tokens of a
+    chat reply are where draft and target disagree most)."""
+
+    tokens: int
+    alpha: float
+    opening: int = 2
+    opening_alpha: float = 0.5
+
+
+TEXTS = {
+    "code": Text(48, 0.96),
+    "prose": Text(48, 0.6),
+    "short": Text(8, 0.5),  # translation: replies of 7-10 tokens
+}
+
+
+def ratio(profile: dict, k: int) -> float:
+    return 1 + profile["slope"] * (k - 1)
+
+
+def run_call(
+    profile: dict, text: Text, gamma, state: dict, rng: random.Random, noise: float
+) -> float:
+    """One generate() call; returns its decode time in T(1)s. `state` carries what a
+    Session leaves behind between calls (the cached costs and acceptance)."""
+
+    def jitter(x: float) -> float:
+        return x * rng.lognormvariate(0, noise)
+
+    auto = gamma == "auto"
+    if auto:
+        # One process: each call's Session goes on from the last one's costs.
+        s = state.setdefault("scheduler", Scheduler(Costs(cached_t1=1.0)))
+        s.start_call()
+    tokens, time, backlog, position = 0, 0.0, 0, 0
+    prompt_pending = True  # the draft's prompt pass is charged to prefill, not decode
+    while tokens < text.tokens:
+        choice = s.choose() if auto else None
+        g = choice.gamma if auto else gamma
+        g = min(g, text.tokens - tokens - 1)
+        probe = auto and choice.cost_probe
+        draft_s, passes = None, None
+        clean = backlog <= 1  # the engine's rule: a long catch-up is no clean draft figure
+        if g > 0:
+            n = 0
+            while n < g:
+                a = text.opening_alpha if position + n < text.opening else text.alpha
+                if probe or rng.random() >= a:
+                    break
+                n += 1
+            if not probe:
+                if prompt_pending:
+                    backlog, prompt_pending, clean = 0, False, True
+                # The draft feeds what it missed together with its first token.
+                passes = g - 1 + ratio(profile, backlog + 1)
+                draft_s = jitter(profile["c"] * passes)
+            verify_s = jitter(ratio(profile, g + 1))
+            backlog = 1 if n == g and not probe else backlog + n + 1 if probe else 0
+        else:
+            n, verify_s, backlog = 0, jitter(1.0), backlog + 1
+        if auto:
+            s.record(g, n, verify_s, draft_s, passes if clean else None)
+        time += verify_s + (draft_s or 0.0)
+        tokens += n + 1
+        position += n + 1
+    return time
+
+
+def simulate(profile: str, kinds: list[str], gammas, calls: int, seed: int, noise: float):
+    """Speedup over plain decoding (ratio of mean decode times) of each γ, per text kind,
+    the calls taking the kinds in turn (as the bench takes categories round-robin)."""
+    times: dict = {}
+    for gamma in gammas:
+        rng = random.Random(seed)
+        state: dict = {}
+        for i in range(calls):
+            kind = kinds[i % len(kinds)]
+            t = run_call(PROFILES[profile], TEXTS[kind], gamma, state, rng, noise)
+            times.setdefault(kind, {}).setdefault(gamma, []).append(t)
+    return {kind: {g: mean(by[0]) / mean(ts) for g, ts in by.items()} for kind, by in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", choices=sorted(PROFILES), action="append")
+    ap.add_argument("--text", choices=sorted(TEXTS), action="append", help="default: all, in turn")
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--noise", type=float, default=0.1, help="lognormal σ of each pass's time")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    gammas = [0, "auto", 1, 2, 3, 4, 6, 8]
+    print("profile  text   " + "  ".join(f"{str(g):>5}" for g in gammas))
+    for profile in args.profile or sorted(PROFILES):
+        kinds = args.text or list(TEXTS)
+        result = simulate(profile, kinds, gammas, args.calls, args.seed, args.noise)
+        for kind, r in result.items():
+            print(f"{profile:8} {kind:6} " + "  ".join(f"{r[g]:5.2f}" for g in gammas))
+
+
+if __name__ == "__main__":
+    main()
