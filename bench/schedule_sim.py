@@ -30,18 +30,33 @@ PROFILES = {
 @dataclass
 class Text:
     """A reply: its length, its acceptance, and its opening: the first token of a chat
-    reply, where draft and target almost never agree."""
+    reply, where draft and target almost never agree. Prose runs in stretches the draft
+    gets right and stretches it does not (α ± swing, switching with `switch` per token),
+    as the recorded agreement does (bench/results/opening_agreement.md)."""
 
     tokens: int
     alpha: float
+    swing: float = 0.0
+    switch: float = 0.2
     opening: int = 1
     opening_alpha: float = 7 / 52  # bench/results/opening_agreement.md
+
+    def agreement(self, rng: random.Random) -> list[bool]:
+        """Whether a draft at each position would be accepted (greedy: the text decides,
+        not the policy, so every policy is replayed on the same draws)."""
+        easy, out = rng.random() < 0.5, []
+        for position in range(self.tokens + 16):
+            if self.swing and rng.random() < self.switch:
+                easy = not easy
+            a = self.alpha + (self.swing if easy else -self.swing)
+            out.append(rng.random() < (self.opening_alpha if position < self.opening else a))
+        return out
 
 
 TEXTS = {
     "code": Text(48, 0.96),
-    "prose": Text(48, 0.6),
-    "short": Text(8, 0.5),  # translation: replies of 7-10 tokens
+    "prose": Text(48, 0.6, swing=0.3),
+    "short": Text(8, 0.5, swing=0.3),  # translation: replies of 7-10 tokens
 }
 
 
@@ -54,9 +69,11 @@ def run_call(
 ) -> float:
     """One generate() call; returns its decode time in T(1)s. `state` carries what a
     Session leaves behind between calls (the cached costs and acceptance)."""
+    agree = text.agreement(rng)
+    timing = random.Random(rng.random())  # the policy's own draws leave the texts alone
 
     def jitter(x: float) -> float:
-        return x * rng.lognormvariate(0, noise)
+        return x * timing.lognormvariate(0, noise)
 
     auto = gamma == "auto"
     if auto:
@@ -74,10 +91,7 @@ def run_call(
         clean = backlog <= 1  # the engine's rule: a long catch-up is no clean draft figure
         if g > 0:
             n = 0
-            while n < g:
-                a = text.opening_alpha if position + n < text.opening else text.alpha
-                if probe or rng.random() >= a:
-                    break
+            while n < g and not probe and agree[position + n]:
                 n += 1
             if not probe:
                 if prompt_pending:

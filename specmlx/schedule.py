@@ -36,6 +36,7 @@ from statistics import median
 DECAY = 0.9  # weight kept by old acceptance observations per round: adapts within ~10 rounds
 WINDOW = 16  # recent ratios kept per figure
 PRIOR_ALPHA = 0.6  # acceptance assumed before anything is known
+CARRY = 0.5  # share of a call's α that the next call's prior keeps
 PRIOR_WEIGHT = 1.0  # how many drafts' worth of evidence the prior (or earlier calls) counts as
 # Draft length of the round that first measures the draft's cost and T(k), and the
 # longest look at a text's α (probe_length picks the cheapest up to it).
@@ -176,8 +177,10 @@ class Acceptance:
         return sum(self.alpha**i for i in range(g))
 
     def as_prior(self) -> Acceptance:
-        """What a new call starts from: this α, with the weight of a prior only."""
-        return Acceptance(prior=self.alpha)
+        """What a new call starts from: this α, half way back to PRIOR_ALPHA, with the
+        weight of a prior only. Calls come in mixed kinds: a question after code that
+        opens with three easy words must not read as code (γ = 8 on prose, seen)."""
+        return Acceptance(prior=PRIOR_ALPHA + CARRY * (self.alpha - PRIOR_ALPHA))
 
     def to_json(self) -> dict:
         return {"alpha": self.alpha}
