@@ -168,13 +168,13 @@ class Acceptance:
     def alpha(self) -> float:
         return (self.accepted + self.prior * PRIOR_WEIGHT) / (self.judged + PRIOR_WEIGHT)
 
-    def expected_tokens(self, g: int) -> float:
-        """E[N] for g drafts: 1 + α + … + α^g."""
-        return sum(self.alpha**i for i in range(g + 1))
-
     def expected_judged(self, g: int) -> float:
         """Drafts the target rules on out of g: 1 + α + … + α^(g-1)."""
         return sum(self.alpha**i for i in range(g))
+
+    def expected_tokens(self, g: int) -> float:
+        """E[N] for g drafts: 1 + α + … + α^g (the judged drafts' series, one term on)."""
+        return self.expected_judged(g + 1)
 
     def as_prior(self) -> Acceptance:
         """What a new call starts from: this α, half way back to PRIOR_ALPHA, with the
@@ -288,8 +288,8 @@ class Scheduler:
         # last look (or since the call began) can afford the look's forecast loss.
         backlog = self.rounds_since_probe
         g = self.probe_length(first)
-        opening = not (self.probed or self.free_drafts)  # a call's first look at its text
-        budget = (FIRST_EXPLORE if opening else EXPLORE) * backlog
+        first_look = not (self.probed or self.free_drafts)  # a call's first, at its text
+        budget = (FIRST_EXPLORE if first_look else EXPLORE) * backlog
         if self.probe_loss(g, backlog) > budget:
             return plain
         self.rounds_since_probe = 0
@@ -305,13 +305,12 @@ class Scheduler:
         pay, the one that pays best; else the least loss per draft the target judges (a
         rejection ends the judging, so at low α a long probe costs more and tells little
         more: on this CPU's INT4 kernel one draft, on a flat cost curve three)."""
-        backlog = self.rounds_since_probe
-        lengths = range(1, longest + 1)
-        paying = [g for g in lengths if self.probe_loss(g, backlog) <= 0]
+        loss = {g: self.probe_loss(g, self.rounds_since_probe) for g in range(1, longest + 1)}
+        paying = [g for g, lost in loss.items() if lost <= 0]
         if paying:
             return max(paying, key=lambda g: self.rate(g) or 0.0)
         judged = self.acceptance.expected_judged
-        return min(lengths, key=lambda g: self.probe_loss(g, backlog) / judged(g))
+        return min(loss, key=lambda g: loss[g] / judged(g))
 
     def probe_loss(self, g: int, backlog: int) -> float:
         """The time a round of g drafts is expected to lose against plain decoding, in
