@@ -14,6 +14,7 @@ costs it starts from are the ones measured on this machine (bench/results/README
 from __future__ import annotations
 
 import argparse
+import math
 import random
 from dataclasses import dataclass
 from statistics import mean
@@ -32,7 +33,13 @@ class Text:
     """A reply: its length, its acceptance, and its opening: the first token of a chat
     reply, where draft and target almost never agree. Prose runs in stretches the draft
     gets right and stretches it does not (α ± swing, switching with `switch` per token),
-    as the recorded agreement does (bench/results/opening_agreement.md)."""
+    as the recorded agreement does (bench/results/opening_agreement.md).
+
+    The target's top probability at each position (what plain rounds show the policy)
+    is the chance of agreement there, off in log-odds by a bias drawn per reply and noise
+    per token: measured, per reply the mean top probability fell 0.05 below the
+    agreement, ±0.1, and near certainty it reads 0.99 where drafts always pass
+    (bench/results/confidence_agreement.md)."""
 
     tokens: int
     alpha: float
@@ -41,16 +48,20 @@ class Text:
     opening: int = 1
     opening_alpha: float = 7 / 52  # bench/results/opening_agreement.md
 
-    def agreement(self, rng: random.Random) -> list[bool]:
-        """Whether a draft at each position would be accepted (greedy: the text decides,
-        not the policy, so every policy is replayed on the same draws)."""
-        easy, out = rng.random() < 0.5, []
+    def agreement(self, rng: random.Random) -> tuple[list[bool], list[float]]:
+        """Whether a draft at each position would be accepted, and the target's top
+        probability there (greedy: the text decides, not the policy, so every policy is
+        replayed on the same draws)."""
+        easy, agree, top = rng.random() < 0.5, [], []
+        bias = rng.gauss(-0.2, 0.4)
         for position in range(self.tokens + 16):
             if self.swing and rng.random() < self.switch:
                 easy = not easy
             a = self.alpha + (self.swing if easy else -self.swing)
-            out.append(rng.random() < (self.opening_alpha if position < self.opening else a))
-        return out
+            a = self.opening_alpha if position < self.opening else a
+            agree.append(rng.random() < a)
+            top.append(1 / (1 + math.exp(-(logit(a) + bias + rng.gauss(0, 0.5)))))
+        return agree, top
 
 
 TEXTS = {
@@ -58,6 +69,11 @@ TEXTS = {
     "prose": Text(48, 0.6, swing=0.3),
     "short": Text(8, 0.5, swing=0.3),  # translation: replies of 7-10 tokens
 }
+
+
+def logit(p: float) -> float:
+    p = min(max(p, 1e-3), 1 - 1e-3)
+    return math.log(p / (1 - p))
 
 
 def ratio(profile: dict, k: int) -> float:
@@ -69,7 +85,7 @@ def run_call(
 ) -> float:
     """One generate() call; returns its decode time in T(1)s. `state` carries what a
     Session leaves behind between calls (the cached costs and acceptance)."""
-    agree = text.agreement(rng)
+    agree, top = text.agreement(rng)
     timing = random.Random(rng.random())  # the policy's own draws leave the texts alone
 
     def jitter(x: float) -> float:
@@ -103,6 +119,8 @@ def run_call(
             backlog = 1 if n == g and not probe else backlog + n + 1 if probe else 0
         else:
             n, verify_s, backlog = 0, jitter(1.0), backlog + 1
+            if auto and position > 0:  # as the engine: the reply's first token is no sign
+                s.observe_confidence(top[position])
         if auto:
             s.record(g, n, verify_s, draft_s, passes if clean else None)
         time += verify_s + (draft_s or 0.0)

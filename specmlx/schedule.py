@@ -11,17 +11,21 @@ call at a new shape), so each multi-token target pass and each draft pass is rec
 its ratio to the T(1) of the moment, and a figure is the median of its recent ratios:
 one outlier cannot lock a draft length out. The choice depends on ratios and α alone.
 
-α is estimated per generate() call: what earlier calls saw is only a weak prior. A call
-looks at its own text with a few drafts (a probe) once its plain rounds can afford the
-look's forecast loss: at once where drafting is expected to pay, after a few tokens where
-it is not (a short reply never pays for a look that cannot win). A look drafts as many
-tokens as learn α most cheaply: one on this CPU's INT4 kernel, where each extra verified
-token costs a quarter of a pass, more where the cost curve is flat. Drafting then goes on
-while the forecast stays near even (hysteresis), and after it stops plain decoding looks
-again once the rounds since can afford it. A model draft that sat out must first catch up
-on every token it missed: cheap where a pass over many tokens costs about one (a fast
-BLAS, a GPU), several target passes where it does not, so how often it looks follows the
-cost curve. bench/schedule_sim.py replays this policy on synthetic texts.
+α is estimated per generate() call, from two kinds of evidence. Rounds with drafts count
+what the target accepted. Plain rounds cost nothing to read: the target's own top
+probability at each step forecasts whether a draft would have passed there (a draft of
+the same family agrees with the target about as often as the target is sure: 0.98 on
+code, 0.6 on prose, bench/results/confidence_agreement.md). So a call starts drafting when
+its text is forecast to pay, with no look at a guess, and draft evidence ages with the
+text (a reply moves from prose into code). Drafting then goes on while the forecast stays
+near even (hysteresis). Where the forecast says no, plain decoding still looks now and
+then, in case the draft does better than the target's confidence says, once the rounds
+since can afford the look. A look drafts as many tokens as learn α most cheaply: one on
+this CPU's INT4 kernel, where each extra verified token costs a quarter of a pass, more
+where the cost curve is flat. A model draft that sat out must first catch up on every
+token it missed: cheap where a pass over many tokens costs about one (a fast BLAS, a
+GPU), several target passes where it does not, so how often it looks follows the cost
+curve. bench/schedule_sim.py replays this policy on synthetic texts.
 """
 
 from __future__ import annotations
@@ -36,8 +40,11 @@ from statistics import median
 DECAY = 0.9  # weight kept by old acceptance observations per round: adapts within ~10 rounds
 WINDOW = 16  # recent ratios kept per figure
 PRIOR_ALPHA = 0.6  # acceptance assumed before anything is known
-CARRY = 0.5  # share of a call's α that the next call's prior keeps
-PRIOR_WEIGHT = 1.0  # how many drafts' worth of evidence the prior (or earlier calls) counts as
+PRIOR_WEIGHT = 1.0  # how many drafts' worth of evidence that guess counts as
+# How much of a judged draft's evidence one plain step's top target probability counts
+# as: it forecasts agreement at that position well (bench/results/confidence_agreement.md)
+# but the next draft's position is another, and one sure step in prose is common.
+CONFIDENCE_WEIGHT = 0.5
 # Draft length of the round that first measures the draft's cost and T(k), and the
 # longest look at a text's α (probe_length picks the cheapest up to it).
 FIRST_PROBE = 3
@@ -46,14 +53,10 @@ FIRST_BACKOFF = 32  # plain rounds before a cost-only probe; doubles after each
 # After this many rounds with drafts in a row, one plain round re-measures T(1), to which
 # every other cost is relative (a stale T(1) would make speculation look better or worse).
 REFRESH = 32
-# Looking again at acceptance may cost at most this share of the plain rounds since the
-# last look (forecast: the draft's catch-up plus the round, less the tokens it yields).
+# A look at acceptance that the forecast does not call for may cost at most this share
+# of the plain rounds since the last (forecast: the draft's catch-up plus the round, less
+# the tokens it yields).
 EXPLORE = 0.05
-# The same for a call's first look at its text, which has more to learn: code or prose.
-# Where a look is forecast to lose (this CPU's INT4 kernel, α from prose), it waits a few
-# tokens: a 7-token reply then never pays for one (bench/schedule_sim.py: 0.2 keeps short
-# replies within 4% of plain decoding and still finds code).
-FIRST_EXPLORE = 0.2
 # Speculate only when the forecast beats plain decoding by this much: timings on a busy
 # machine are noisy, and a marginal forecast that is wrong costs more than it can gain.
 MARGIN = 1.05
@@ -124,7 +127,7 @@ class Costs:
     def draft_ratio(self) -> float | None:
         return median(self.draft) if self.draft else None
 
-    def to_json(self, acceptance: Acceptance | None = None) -> dict:
+    def to_json(self) -> dict:
         out = {
             "t1": self.t1,  # one figure: it stands in until this process has its own
             "target": {str(k): v for k, v in self.target.items()},
@@ -133,8 +136,6 @@ class Costs:
             # from one or two new steps (whose noise would skew every ratio of a call).
             "plain": {"pid": os.getpid(), "seconds": self.plain},
         }
-        if acceptance is not None and acceptance.seen:
-            out["acceptance"] = acceptance.to_json()
         return out
 
     @classmethod
@@ -148,25 +149,41 @@ class Costs:
 
 @dataclass
 class Acceptance:
-    """α from decayed counts of accepted and judged drafts, with a weak prior."""
+    """α from decayed evidence: drafts the target accepted out of those it judged, and
+    plain steps' top target probabilities, each counting as CONFIDENCE_WEIGHT of a judged
+    draft. It starts from a weak guess (PRIOR_ALPHA), evidence that ages like the rest:
+    it keeps a step or two from deciding alone, and fades as the text shows itself."""
 
-    accepted: float = 0.0
-    judged: float = 0.0  # drafts the target ruled on (those after a rejection were not)
-    prior: float = PRIOR_ALPHA
-
-    @property
-    def seen(self) -> bool:
-        return self.judged > 0
+    accepted: float = PRIOR_ALPHA * PRIOR_WEIGHT
+    judged: float = PRIOR_WEIGHT  # drafts the target ruled on (not those after a rejection)
+    sure: float = 0.0  # the target's top probabilities at plain steps, summed
+    steps: float = 0.0  # the plain steps behind `sure`
+    seen: bool = False  # evidence of this text, not only the guess
 
     def observe(self, g: int, n: int) -> None:
         """A round drafted g and the target accepted n (and rejected the next, if n < g)."""
-        judged = min(n + 1, g)
-        self.accepted = DECAY * self.accepted + n
-        self.judged = DECAY * self.judged + judged
+        self._age()
+        self.accepted += n
+        self.judged += min(n + 1, g)
+        self.seen = True
+
+    def observe_confidence(self, top: float) -> None:
+        """A plain step where the target's top probability was `top`."""
+        self._age()  # what drafts showed ages by a step too: the text moves on
+        self.sure += top
+        self.steps += 1
+        self.seen = True
+
+    def _age(self) -> None:
+        self.accepted *= DECAY
+        self.judged *= DECAY
+        self.sure *= DECAY
+        self.steps *= DECAY
 
     @property
     def alpha(self) -> float:
-        return (self.accepted + self.prior * PRIOR_WEIGHT) / (self.judged + PRIOR_WEIGHT)
+        accepted = self.accepted + CONFIDENCE_WEIGHT * self.sure
+        return accepted / (self.judged + CONFIDENCE_WEIGHT * self.steps)
 
     def expected_judged(self, g: int) -> float:
         """Drafts the target rules on out of g: 1 + α + … + α^(g-1)."""
@@ -175,19 +192,6 @@ class Acceptance:
     def expected_tokens(self, g: int) -> float:
         """E[N] for g drafts: 1 + α + … + α^g (the judged drafts' series, one term on)."""
         return self.expected_judged(g + 1)
-
-    def as_prior(self) -> Acceptance:
-        """What a new call starts from: this α, half way back to PRIOR_ALPHA, with the
-        weight of a prior only. Calls come in mixed kinds: a question after code that
-        opens with three easy words must not read as code (γ = 8 on prose, seen)."""
-        return Acceptance(prior=PRIOR_ALPHA + CARRY * (self.alpha - PRIOR_ALPHA))
-
-    def to_json(self) -> dict:
-        return {"alpha": self.alpha}
-
-    @classmethod
-    def from_json(cls, data: dict) -> Acceptance:
-        return cls(prior=min(max(float(data["alpha"]), 0.0), 1.0))
 
 
 @dataclass
@@ -213,14 +217,14 @@ class Scheduler:
     rounds_since_probe: int = 0  # plain rounds since the last with drafts
     drafting: int = 0  # rounds with drafts since the last plain one
     backoff: int = FIRST_BACKOFF
-    probed: bool = False  # this call has drafted at least once
     paused: bool = False  # the last round was plain only to re-measure T(1)
     opening: bool = False  # the next round is a call's first: its token is the target's
 
     def start_call(self) -> None:
-        """A new generate() call: a new text, whose acceptance is learnt afresh."""
-        self.acceptance = self.acceptance.as_prior()
-        self.probed = self.paused = False
+        """A new generate() call: a new text, whose acceptance is learnt afresh (a question
+        after code must not start from the code's α: γ = 8 on prose, seen)."""
+        self.acceptance = Acceptance()
+        self.paused = False
         self.opening = not self.free_drafts
         self.rounds_since_probe = 0
         self.backoff = FIRST_BACKOFF
@@ -267,7 +271,8 @@ class Scheduler:
         # near even keeps learning this text's α at a small cost.
         going_on, self.paused = self.drafting > 0 or self.paused, False
         need = 1 / MARGIN if going_on else MARGIN
-        known = self.probed or self.free_drafts  # this text's α, not only the prior's guess
+        # This text's α, not only a guess: drafts seen, or the target's confidence in it.
+        known = self.free_drafts or self.acceptance.seen
         if known and rates[best] >= need * rates[0]:
             if self.drafting >= REFRESH:
                 self.paused = True
@@ -288,9 +293,7 @@ class Scheduler:
         # last look (or since the call began) can afford the look's forecast loss.
         backlog = self.rounds_since_probe
         g = self.probe_length(first)
-        first_look = not (self.probed or self.free_drafts)  # a call's first, at its text
-        budget = (FIRST_EXPLORE if first_look else EXPLORE) * backlog
-        if self.probe_loss(g, backlog) > budget:
+        if self.probe_loss(g, backlog) > EXPLORE * backlog:
             return plain
         self.rounds_since_probe = 0
         return Choice(g, predicted_tps=self.tps(rates[0]))
@@ -315,11 +318,12 @@ class Scheduler:
     def probe_loss(self, g: int, backlog: int) -> float:
         """The time a round of g drafts is expected to lose against plain decoding, in
         T(1)s, after `backlog` plain rounds the draft model must first catch up on (its
-        first pass takes them too, priced on the target's cost curve)."""
+        first pass takes them too, priced on the target's cost curve). Its cost is taken
+        at the margin that drafting must clear: a forecast short of it is no free look."""
         c = self.draft_ratio or 0.0
         catch_up = c * ((self.costs.ratio(backlog + 1) or backlog + 1) - 1)
-        tokens = self.acceptance.expected_tokens(g)
-        return catch_up + g * c + (self.costs.ratio(g + 1) or g + 1) - tokens
+        cost = catch_up + g * c + (self.costs.ratio(g + 1) or g + 1)
+        return MARGIN * cost - self.acceptance.expected_tokens(g)
 
     def record(
         self, g: int, n: int, verify_s: float, draft_s: float | None, passes: float | None
@@ -330,9 +334,12 @@ class Scheduler:
         self.drafting = self.drafting + 1 if g > 0 else 0
         if g > 0 and draft_s is not None:
             self.acceptance.observe(g, n)
-            self.probed = True
             if not self.free_drafts and passes:
                 self.costs.observe_draft(draft_s / passes)
+
+    def observe_confidence(self, top: float) -> None:
+        """A plain step's top target probability: a forecast of this text's α."""
+        self.acceptance.observe_confidence(top)
 
 
 def cost_cache_path() -> Path:
@@ -341,24 +348,22 @@ def cost_cache_path() -> Path:
     return home() / "costs.json"
 
 
-def load_costs(key: str) -> tuple[Costs, Acceptance | None]:
-    """This pair's cached costs and acceptance; nothing when absent or in an old format."""
+def load_costs(key: str) -> Costs:
+    """This pair's cached costs; nothing when absent or in an old format."""
     try:
-        data = json.loads(cost_cache_path().read_text())[key]
-        saved = data.get("acceptance")
-        return Costs.from_json(data), Acceptance.from_json(saved) if saved else None
+        return Costs.from_json(json.loads(cost_cache_path().read_text())[key])
     except (OSError, KeyError, ValueError, TypeError, AttributeError):
-        return Costs(), None
+        return Costs()
 
 
-def save_costs(key: str, costs: Costs, acceptance: Acceptance | None = None) -> None:
+def save_costs(key: str, costs: Costs) -> None:
     """Merge this pair's costs into the cache file atomically (temp file + rename)."""
     path = cost_cache_path()
     try:
         data = json.loads(path.read_text()) if path.exists() else {}
     except (OSError, ValueError):
         data = {}
-    data[key] = costs.to_json(acceptance)
+    data[key] = costs.to_json()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".costs-")

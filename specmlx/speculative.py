@@ -22,7 +22,7 @@ from .kv_cache import make_cache
 from .loading import Model, backend, check_pair
 from .sampling import SamplingParams
 from .schedule import Scheduler, load_costs, save_costs
-from .verify import make_sampler, make_verifier
+from .verify import make_sampler, make_verifier, top_probability
 
 
 @dataclass(frozen=True)
@@ -134,20 +134,16 @@ class Session:
     def scheduler(self, source: str) -> Scheduler:
         """The γ policy for a draft source; both share one measured target cost curve."""
         if not self._schedulers:
-            costs, acceptance = load_costs(self.cost_key)
-            model = Scheduler(costs, self.max_gamma)
-            if acceptance is not None:
-                model.acceptance = acceptance
+            costs = load_costs(self.cost_key)
             self._schedulers = {
-                "model": model,
+                "model": Scheduler(costs, self.max_gamma),
                 "lookup": Scheduler(costs, self.max_gamma, free_drafts=True),
             }
         return self._schedulers[source]
 
     def save_costs(self) -> None:
         if self._schedulers:
-            model = self._schedulers["model"]
-            save_costs(self.cost_key, model.costs, model.acceptance)
+            save_costs(self.cost_key, self._schedulers["model"].costs)
 
     @property
     def vocab_size(self) -> int:
@@ -269,6 +265,8 @@ def _decode(
             session.scheduler(source).start_call()
     verify = make_verifier(params, vocab)
     draw = make_sampler(params, vocab)
+    # Plain rounds show the γ policy how sure the target is: its forecast of acceptance.
+    watching = session.scheduler("model") if gamma == "auto" and model_drafter else None
     eos = target.tokenizer.eos_token_ids
     detok = target.tokenizer.detokenizer
     key = mx.random.key(seed)
@@ -317,8 +315,11 @@ def _decode(
         else:
             source, t1 = "plain", t0
             logits = target.module(mx.array([[last]], mx.uint32), cache=cache)[0, -1:]
-            _, token = draw(logits, round_key)
+            probs, token = draw(logits, round_key)
             n, token, drafts = 0, token.item(), []
+            if watching is not None and stats.tokens > 0:  # a reply's first token is no
+                # sign of its text: it follows the chat template's header (opening_agreement.md)
+                watching.observe_confidence(top_probability(logits, probs, vocab))
         t2 = time.perf_counter()
         stats.verify_time += t2 - t1
         stats.target_passes += 1

@@ -16,6 +16,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 import mlx.core as mx
+import numpy as np
 
 from .sampling import SamplingParams, probabilities, sample
 
@@ -97,3 +98,17 @@ def make_sampler(params: SamplingParams, vocab_size: int):
         return probs, sample(probs, key)
 
     return mx.compile(draw)
+
+
+def top_probability(logits: mx.array, probs: mx.array | None, vocab_size: int) -> float:
+    """The target's top probability at a plain step: what the γ policy reads as a forecast
+    of draft acceptance (schedule.py). `probs`: what make_sampler drew from (None at
+    temperature 0, where the top of the unprocessed softmax is read instead).
+
+    On the host: MLX's exp is scalar on a CPU (4.5 ms over a 152k vocabulary, 3% of a
+    1.5B INT4 step), numpy's vectorised (0.9 ms).
+    """
+    if probs is not None:
+        return mx.max(probs).item()
+    x = np.asarray(logits[0, :vocab_size].astype(mx.float32))
+    return float(1.0 / np.exp(x - x.max()).sum())

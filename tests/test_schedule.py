@@ -25,9 +25,9 @@ def measured(curve, draft_ratio, max_k=9, t1=T1):
 
 
 def warmed(curve, draft_ratio, alpha, max_gamma=8, weight=40.0, free=False):
-    """A scheduler, past its call's first probe, that has seen acceptance alpha."""
-    s = Scheduler(measured(curve, draft_ratio, max_gamma + 1), max_gamma, free, probed=True)
-    s.acceptance = Acceptance(alpha * weight, weight)
+    """A scheduler, well into a call, that has seen acceptance alpha."""
+    s = Scheduler(measured(curve, draft_ratio, max_gamma + 1), max_gamma, free)
+    s.acceptance = Acceptance(alpha * weight, weight, seen=True)
     return s
 
 
@@ -74,16 +74,60 @@ def test_cold_start_measures_plain_then_probes():
     assert s.choose().gamma == 0  # linear verify: it stops speculating
 
 
-def test_a_call_looks_at_its_text_once_its_plain_rounds_can_afford_the_look():
-    # Where a look is forecast to lose, a reply too short to pay for it never sees one.
-    s = warmed(lambda k: 1 + 0.3 * (k - 1), draft_ratio=0.3, alpha=0.3)
-    assert s.choose().gamma == 0
+def test_a_call_shown_nothing_of_its_text_looks_once_its_plain_rounds_can_afford_it():
+    # Without the target's confidence (a caller that does not report it) only a look at
+    # the draft tells this text's α; where it is forecast to lose, it waits its budget.
+    s = warmed(lambda k: 1 + 0.02 * (k - 1), draft_ratio=0.8, alpha=0.3)
     s.start_call()
     waited = first_look(s) + 1  # the look itself is a round after that many plain ones
     g = s.probe_length(schedule.FIRST_PROBE)
     assert 1 < waited < 300
-    assert s.probe_loss(g, waited) <= schedule.FIRST_EXPLORE * waited
-    assert s.probe_loss(g, waited - 1) > schedule.FIRST_EXPLORE * (waited - 1)
+    assert s.probe_loss(g, waited) <= schedule.EXPLORE * waited
+    assert s.probe_loss(g, waited - 1) > schedule.EXPLORE * (waited - 1)
+
+
+def plain_steps(s, tops):
+    """Plain rounds showing the target's top probabilities; the γ each then chooses."""
+    chosen = []
+    for top in tops:
+        s.record(0, 0, verify_s=T1, draft_s=None, passes=None)
+        s.observe_confidence(top)
+        chosen.append(s.choose().gamma)
+    return chosen
+
+
+def opened(curve, draft_ratio):
+    """A new call past its opening round, on settled costs."""
+    s = Scheduler(measured(curve, draft_ratio))
+    s.start_call()
+    assert s.choose().gamma == 0  # the reply's first token is the target's
+    return s
+
+
+def test_a_text_the_target_is_sure_of_is_drafted_within_a_few_tokens_on_this_cpu():
+    # Code: the target's top probability 0.99, drafts agree 0.98 (confidence_agreement.md).
+    chosen = plain_steps(opened(**THIS_CPU), [0.99] * 8)
+    assert chosen[0] == 0  # one sure step in prose is common: it does not decide alone
+    assert 0 < chosen.index(next(g for g in chosen if g > 0)) < 6
+
+
+def test_a_text_the_target_is_unsure_of_is_never_drafted_on_this_cpu():
+    # Prose (top probability ~0.6): on the INT4 kernel no look would pay for itself.
+    assert plain_steps(opened(**THIS_CPU), [0.6, 0.95, 0.4, 0.7, 0.3, 0.9] * 8) == [0] * 48
+
+
+def test_the_same_unsure_text_is_drafted_where_verifying_more_tokens_is_cheap():
+    fp32 = dict(curve=lambda k: 1 + 0.05 * (k - 1), draft_ratio=0.2)
+    assert max(plain_steps(opened(**fp32), [0.6, 0.95, 0.4, 0.7, 0.3, 0.9] * 2)) > 0
+
+
+def test_what_drafts_showed_fades_as_the_target_grows_sure_of_the_text():
+    # Rejections in prose stop drafting; code later in the same reply starts it again.
+    s = opened(**THIS_CPU)
+    for _ in range(3):
+        s.record(1, 0, verify_s=T1 * 1.29, draft_s=0.45 * T1, passes=1)
+    assert s.choose().gamma == 0
+    assert max(plain_steps(s, [0.99] * 24)) > 0
 
 
 def test_a_calls_first_token_is_the_targets_own_even_with_drafts_that_always_pass():
@@ -91,7 +135,7 @@ def test_a_calls_first_token_is_the_targets_own_even_with_drafts_that_always_pas
     s = warmed(lambda k: 1.0, draft_ratio=0.1, alpha=0.99)
     s.start_call()
     assert s.choose().gamma == 0
-    assert s.choose().gamma > 0
+    assert plain_steps(s, [0.99]) == [s.choose().gamma] and s.choose().gamma > 0
 
 
 def test_a_call_looks_right_after_its_first_token_where_the_look_is_forecast_to_pay():
@@ -125,18 +169,16 @@ def test_prompt_lookup_needs_no_probe_per_call():
     assert s.choose().gamma == 0
 
 
-def test_after_a_look_an_accepted_draft_goes_on_and_a_rejected_one_stops():
-    # Earlier calls saw prose (α 0.6). On this CPU the look drafts one token.
-    for accepted, goes_on in ((1, True), (0, False)):
-        s = Scheduler(measured(**THIS_CPU), acceptance=Acceptance(prior=0.6))
-        s.start_call()
-        while (g := s.choose().gamma) == 0:
-            pass
-        assert g == 1
-        s.record(
-            g, accepted, verify_s=T1 * THIS_CPU["curve"](g + 1), draft_s=0.45 * T1 * g, passes=g
-        )
-        assert (s.choose().gamma > 0) == goes_on
+def test_once_drafting_accepted_drafts_go_on_and_rejected_ones_stop():
+    for accepted, goes_on in ((True, True), (False, False)):
+        s = opened(**THIS_CPU)
+        chosen = plain_steps(s, [0.95] * 24)
+        g = next(g for g in chosen if g > 0)
+        for _ in range(2):
+            n = g if accepted else 0
+            s.record(g, n, verify_s=T1 * THIS_CPU["curve"](g + 1), draft_s=0.45 * T1 * g, passes=g)
+            g = s.choose().gamma
+        assert (g > 0) == goes_on
 
 
 def test_drafting_goes_on_through_a_forecast_near_even_but_does_not_start_on_one():
@@ -246,22 +288,40 @@ def test_one_slow_pass_cannot_lock_a_draft_length_out():
 
 def test_load_that_slows_every_pass_alike_does_not_change_the_choice():
     quiet = warmed(THIS_CPU["curve"], THIS_CPU["draft_ratio"], alpha=0.93)
-    busy = Scheduler(measured(**THIS_CPU, t1=3 * T1), probed=True, acceptance=quiet.acceptance)
+    busy = Scheduler(measured(**THIS_CPU, t1=3 * T1), acceptance=quiet.acceptance)
     assert quiet.choose().gamma == busy.choose().gamma > 0
     assert busy.choose().predicted_tps == pytest.approx(quiet.choose().predicted_tps / 3)
 
 
 def test_expected_tokens_follow_the_acceptance():
     a = Acceptance(accepted=6.0, judged=8.0)
-    alpha = (6 + schedule.PRIOR_ALPHA * schedule.PRIOR_WEIGHT) / (8 + schedule.PRIOR_WEIGHT)
-    assert a.alpha == pytest.approx(alpha)
-    assert a.expected_tokens(2) == pytest.approx(1 + alpha + alpha**2)
+    assert a.alpha == 0.75
+    assert a.expected_tokens(2) == pytest.approx(1 + 0.75 + 0.75**2)
 
 
 def test_a_rejection_ends_what_the_target_judged():
-    a = Acceptance()
+    a = Acceptance(accepted=0.0, judged=0.0)
     a.observe(g=4, n=1)  # d1 accepted, d2 rejected, d3 and d4 never judged
     assert (a.accepted, a.judged) == (1, 2)
+
+
+def test_a_call_starts_from_a_guess_that_fades_before_the_targets_confidence():
+    a = Acceptance()
+    assert a.alpha == pytest.approx(schedule.PRIOR_ALPHA) and not a.seen
+    a.observe_confidence(0.99)
+    assert schedule.PRIOR_ALPHA < a.alpha < 0.8  # one step is weak evidence
+    for _ in range(40):
+        a.observe_confidence(0.99)
+    assert a.alpha == pytest.approx(0.99, abs=0.01)
+
+
+def test_a_plain_steps_confidence_weighs_less_than_a_judged_draft():
+    drafts, steps = Acceptance(accepted=0.0, judged=0.0), Acceptance(accepted=0.0, judged=0.0)
+    drafts.observe(1, 1)
+    steps.observe_confidence(1.0)
+    for a in (drafts, steps):
+        a.observe(1, 0)
+    assert steps.alpha < drafts.alpha
 
 
 def test_a_marginal_forecast_is_not_worth_starting_to_speculate():
@@ -283,30 +343,25 @@ def test_costs_survive_a_round_trip_through_json():
     assert same_costs(Costs.from_json(costs.to_json()), costs)
 
 
-def test_a_new_call_starts_from_the_last_calls_alpha_half_way_back_to_the_prior():
-    seen = Acceptance(accepted=30.0, judged=30.0)  # all accepted: α near 1
-    prior = seen.as_prior()
-    assert prior.judged == 0
-    assert prior.alpha == pytest.approx(
-        schedule.PRIOR_ALPHA + schedule.CARRY * (seen.alpha - schedule.PRIOR_ALPHA)
-    )
-    assert schedule.PRIOR_ALPHA < prior.alpha < seen.alpha
+def test_a_new_call_starts_from_the_guess_not_the_last_calls_alpha():
+    # A question after code must not start drafting at the code's α (γ = 8 on prose, seen).
+    s = warmed(**THIS_CPU, alpha=0.99)
+    s.start_call()
+    assert s.acceptance == Acceptance()
 
 
-def test_acceptance_is_cached_with_the_costs_as_a_prior(tmp_path, monkeypatch):
+def test_costs_are_cached_per_pair(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECMLX_HOME", str(tmp_path))
-    costs, seen = measured(lambda k: k, 0.3), Acceptance(accepted=9.0, judged=10.0)
-    schedule.save_costs("pair", costs, seen)
-    loaded, acceptance = schedule.load_costs("pair")
-    assert same_costs(loaded, costs) and acceptance.alpha == pytest.approx(seen.alpha)
-    assert acceptance.judged == 0  # a prior: one probe of this call's text outweighs it
-    assert schedule.load_costs("another pair") == (Costs(), None)
+    costs = measured(lambda k: k, 0.3)
+    schedule.save_costs("pair", costs)
+    assert same_costs(schedule.load_costs("pair"), costs)
+    assert schedule.load_costs("another pair") == Costs()
 
 
 def test_a_cache_in_an_older_format_is_ignored(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECMLX_HOME", str(tmp_path))
     (tmp_path / "costs.json").write_text('{"pair": {"target": {"1": 0.2}, "draft": 0.1}}')
-    assert schedule.load_costs("pair") == (Costs(), None)
+    assert schedule.load_costs("pair") == Costs()
 
 
 def load_simulation():
