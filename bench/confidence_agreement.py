@@ -1,11 +1,12 @@
 """Does the target's own confidence forecast whether a draft would pass? Teacher-forced.
 
-For each prompt of a bench result, take the target's greedy reply (its token ids,
-recorded in the JSON) and run both models once over prompt + reply. At every reply
-position compare the target's top probability (what a plain decoding step shows for
-free) with whether the draft's argmax equals the target's token (the acceptance a draft
-would get there at T = 0) and with Σ min(p, q) (its acceptance when sampling at T = 1).
-The γ policy reads the top probability as a forecast of α (schedule.Acceptance).
+For each prompt of a bench result, take the target's reply (its token ids, recorded in
+the JSON: greedy at T = 0, sampled at T = 1) and run both models once over prompt +
+reply. At every reply position compare the target's top probability (what a plain
+decoding step shows for free) with whether the draft's argmax equals the target's token
+(the acceptance a draft would get there at T = 0) and with Σ min(p, q) (its acceptance
+when sampling at T = 1). The γ policy reads the top probability as a forecast of α
+(schedule.Acceptance).
 
     python bench/confidence_agreement.py --target TARGET_DIR --draft DRAFT_DIR \
         bench/results/auto-vs-fixed-int4.json bench/results/lookup-summarization.json \
@@ -25,6 +26,7 @@ from specmlx.bench import encode, read_suite
 from specmlx.loading import load
 
 BINS = (0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+POSITIONS = ("top", "agree", "overlap")
 
 
 def positions(target, draft, prompt_ids: list[int], reply: list[int]) -> dict[str, np.ndarray]:
@@ -43,7 +45,7 @@ def positions(target, draft, prompt_ids: list[int], reply: list[int]) -> dict[st
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("results", nargs="+", type=Path, help="bench --json files (greedy runs)")
+    ap.add_argument("results", nargs="+", type=Path, help="bench --json files (T = 0 or 1)")
     ap.add_argument("--target", required=True, help="the target model the bench used")
     ap.add_argument("--draft", required=True, help="the draft model the bench used")
     ap.add_argument("--out", type=Path, help="write the tables here (markdown)")
@@ -54,40 +56,47 @@ def main() -> None:
     rows, seen = [], set()
     for path in args.results:
         for run in json.loads(path.read_text())["runs"]:
-            pid = run["prompt_id"]
-            if run["mode"] != "target" or run["temperature"] != 0 or pid in seen:
+            pid, temperature = run["prompt_id"], run["temperature"]
+            if run["mode"] != "target" or temperature not in (0, 1) or (pid, temperature) in seen:
                 continue
-            seen.add(pid)
+            seen.add((pid, temperature))
             ids = encode(target, texts[pid], chat_template=True)
             # The reply's first token follows the chat template's header: not its text's
             # (bench/results/opening_agreement.md); the policy leaves it out too.
             at = {k: v[1:] for k, v in positions(target, draft, ids, run["token_ids"]).items()}
-            rows.append((run["category"], pid, at))
-            print(pid, f"top {at['top'].mean():.2f} agree {at['agree'].mean():.2f}", flush=True)
-    top = np.concatenate([r[2]["top"] for r in rows])
-    agree = np.concatenate([r[2]["agree"] for r in rows])
-    overlap = np.concatenate([r[2]["overlap"] for r in rows])
-    calibration = [
-        "| top probability | positions | mean top | greedy agreement | Σ min(p, q) at T = 1 |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for lo, hi in zip(BINS[:-1], BINS[1:], strict=True):
-        m = (top >= lo) & ((top < hi) if hi < 1 else (top <= hi))
-        if m.any():
-            calibration.append(
-                f"| {lo:.2f}–{hi:.2f} | {m.sum()} | {top[m].mean():.3f} | "
-                f"{agree[m].mean():.3f} | {overlap[m].mean():.3f} |"
-            )
+            rows.append((run["category"], pid, temperature, at))
+            print(pid, f"T={temperature} top {at['top'].mean():.2f}", flush=True)
+    tables = []
+    for temperature in sorted({r[2] for r in rows}):
+        of_t = [r[3] for r in rows if r[2] == temperature]
+        top, agree, overlap = (np.concatenate([at[k] for at in of_t]) for k in POSITIONS)
+        replies = "greedy replies" if temperature == 0 else "replies sampled at T = 1"
+        calibration = [
+            f"| top probability ({replies}) | positions | mean top | greedy agreement "
+            f"| Σ min(p, q) at T = 1 |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for lo, hi in zip(BINS[:-1], BINS[1:], strict=True):
+            m = (top >= lo) & ((top < hi) if hi < 1 else (top <= hi))
+            if m.any():
+                calibration.append(
+                    f"| {lo:.2f}–{hi:.2f} | {m.sum()} | {top[m].mean():.3f} | "
+                    f"{agree[m].mean():.3f} | {overlap[m].mean():.3f} |"
+                )
+        calibration.append(
+            f"| all | {len(top)} | {top.mean():.3f} | {agree.mean():.3f} | {overlap.mean():.3f} |"
+        )
+        tables.append("\n".join(calibration))
     replies = [
-        "| reply | category | positions | mean top | greedy agreement | Σ min(p, q) |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| reply | T | category | positions | mean top | greedy agreement | Σ min(p, q) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for cat, pid, at in rows:
+    for cat, pid, temperature, at in rows:
         replies.append(
-            f"| {pid} | {cat} | {len(at['top'])} | {at['top'].mean():.2f} | "
+            f"| {pid} | {temperature:g} | {cat} | {len(at['top'])} | {at['top'].mean():.2f} | "
             f"{at['agree'].mean():.2f} | {at['overlap'].mean():.2f} |"
         )
-    tables = "\n".join(calibration) + "\n\n" + "\n".join(replies)
+    tables = "\n\n".join(tables + ["\n".join(replies)])
     print(tables)
     if args.out:
         sources = " ".join(str(p) for p in args.results)
@@ -95,7 +104,7 @@ def main() -> None:
             f"# The target's confidence as a forecast of draft acceptance\n\n"
             f"`python bench/confidence_agreement.py --target …/{Path(args.target).name} "
             f"--draft …/{Path(args.draft).name} {sources}`\n\n"
-            f"Replies: the target's greedy tokens recorded in those runs (chat template on), "
+            f"Replies: the target's tokens recorded in those runs (chat template on), "
             f"each reply's first token left out. Top = the target's highest probability "
             f"at a position (softmax at T = 1); agreement = the draft's argmax is the "
             f"target's token.\n\n{tables}\n"

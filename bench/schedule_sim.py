@@ -71,6 +71,11 @@ TEXTS = {
 }
 
 
+# The calls' max_tokens, as in the bench's -n 48: a call knows this bound, not where its
+# reply will end (an 8-token reply looks like a 48-token one to the policy).
+MAX_TOKENS = 48
+
+
 def logit(p: float) -> float:
     p = min(max(p, 1e-3), 1 - 1e-3)
     return math.log(p / (1 - p))
@@ -99,7 +104,7 @@ def run_call(
     tokens, time, backlog, position = 0, 0.0, 0, 0
     prompt_pending = True  # the draft's prompt pass is charged to prefill, not decode
     while tokens < text.tokens:
-        choice = s.choose() if auto else None
+        choice = s.choose(MAX_TOKENS - tokens) if auto else None
         g = choice.gamma if auto else gamma
         g = min(g, text.tokens - tokens - 1)
         probe = auto and choice.cost_probe

@@ -136,6 +136,7 @@ class RunRecord:
     engine_stats: dict | None = None  # specmlx's own Stats.to_dict(), whatever it exposes
     matches_target: bool | None = None  # greedy only: token ids equal the target alone's
     diverges_at: int | None = None  # greedy only: first differing token index
+    repeat: int = 0  # which of the prompt's --repeat runs in this mode
 
     @property
     def decode_tps(self) -> float:
@@ -357,15 +358,17 @@ def build_modes(
 
 
 def schedule(
-    prompts: list[Prompt], temperatures: list[float], modes: list[Mode]
+    prompts: list[Prompt], temperatures: list[float], modes: list[Mode], repeat: int = 1
 ) -> list[tuple[Prompt, float, Mode]]:
-    """Interleaved order: per prompt and temperature, every mode once, back to back.
+    """Interleaved order: per prompt and temperature, every mode once, back to back,
+    `repeat` blocks in a row.
 
     The mode order rotates by one from block to block, so no mode always runs first
     (after a cold cache, or right after the heaviest mode).
     """
     order = []
-    for block, (prompt, temp) in enumerate((p, t) for p in prompts for t in temperatures):
+    blocks = ((p, t) for p in prompts for t in temperatures for _ in range(repeat))
+    for block, (prompt, temp) in enumerate(blocks):
         shift = block % len(modes)
         order += [(prompt, temp, mode) for mode in modes[shift:] + modes[:shift]]
     return order
@@ -587,15 +590,18 @@ def compare_to_target(records: list[RunRecord]) -> None:
 
 
 def pairwise_ratios(records: list[RunRecord], metric: str = "decode_tps") -> dict:
-    """{(mode, temperature, prompt_id): mode's metric ÷ target alone's, same prompt & T}."""
-    base = {
-        (r.prompt_id, r.temperature): getattr(r, metric) for r in records if r.mode == TARGET.name
-    }
-    ratios = {}
+    """{(mode, temperature, prompt_id): mode's metric ÷ target alone's, same prompt & T}.
+
+    With --repeat, each side is the median of its runs: on a shared machine one run of
+    a short reply can take twice as long as its twin for no reason of its own."""
+    runs: dict[tuple, list[float]] = defaultdict(list)
     for r in records:
-        b = base.get((r.prompt_id, r.temperature))
-        if b:
-            ratios[(r.mode, r.temperature, r.prompt_id)] = getattr(r, metric) / b
+        runs[(r.mode, r.temperature, r.prompt_id)].append(getattr(r, metric))
+    ratios = {}
+    for (mode, temp, pid), values in runs.items():
+        base = runs.get((TARGET.name, temp, pid))
+        if base and statistics.median(base):
+            ratios[(mode, temp, pid)] = statistics.median(values) / statistics.median(base)
     return ratios
 
 
@@ -625,14 +631,9 @@ def summarize(records: list[RunRecord]) -> list[dict]:
     }
     rows = []
     for (mode, temp, category), rs in groups.items():
-        speedups = [
-            ratios[(mode, temp, r.prompt_id)] for r in rs if (mode, temp, r.prompt_id) in ratios
-        ]
-        e2e = [
-            e2e_ratios[(mode, temp, r.prompt_id)]
-            for r in rs
-            if (mode, temp, r.prompt_id) in e2e_ratios
-        ]
+        prompt_ids = list(dict.fromkeys(r.prompt_id for r in rs))  # once each, in order
+        speedups = [ratios[k] for k in ((mode, temp, p) for p in prompt_ids) if k in ratios]
+        e2e = [e2e_ratios[k] for k in ((mode, temp, p) for p in prompt_ids) if k in e2e_ratios]
         tokens, decode_s = sum(r.tokens for r in rs), sum(r.decode_s for r in rs)
         base_tokens, base_s = target_totals.get((temp, category), (0, 0.0))
         drafted, passes = sum(r.drafted for r in rs), sum(r.target_passes for r in rs)
@@ -646,7 +647,8 @@ def summarize(records: list[RunRecord]) -> list[dict]:
                 "gamma": rs[0].gamma,
                 "temperature": temp,
                 "category": category,
-                "prompts": len(rs),
+                "prompts": len(prompt_ids),
+                "runs": len(rs),
                 "tokens": tokens,
                 "decode_tps_median": statistics.median(r.decode_tps for r in rs),
                 "decode_tps_total": _ratio(tokens, decode_s),
@@ -825,6 +827,7 @@ def run_bench(
     temperatures: list[float],
     *,
     max_tokens: int = 128,
+    repeat: int = 1,
     seed: int = 0,
     chat_template: bool = True,
     warmup: bool = True,
@@ -841,6 +844,8 @@ def run_bench(
     """
     if max_tokens < 1:
         raise SpecmlxError(f"--max-tokens must be >= 1, got {max_tokens}")
+    if repeat < 1:
+        raise SpecmlxError(f"--repeat must be >= 1, got {repeat}")
     if any(m.speculative for m in modes) and draft is None:
         raise SpecmlxError("speculative modes need a draft model; pass --draft")
     started = time.time()
@@ -871,8 +876,9 @@ def run_bench(
                 {"mode": mode.name, "temperature": temp, "wall_s": r.wall_s, "ttft_s": r.ttft_s}
             )
 
-    order = schedule(prompts, temperatures, modes)
+    order = schedule(prompts, temperatures, modes, repeat)
     records: list[RunRecord] = []
+    done: Counter = Counter()
     t0 = time.perf_counter()
     for i, (prompt, temp, mode) in enumerate(order):
         elapsed = time.perf_counter() - t0
@@ -893,6 +899,8 @@ def run_bench(
         )
         r = runners[mode.engine](target, draft, ids_of[prompt.id], mode, temp, max_tokens, seed)
         r.prompt_id, r.category, r.order = prompt.id, prompt.category, i
+        r.repeat = done[(prompt.id, temp, mode.name)]
+        done[(prompt.id, temp, mode.name)] += 1
         records.append(r)
     compare_to_target(records)
     rss, rss_peak = process_memory()
@@ -912,6 +920,7 @@ def run_bench(
             "modes": [m.name for m in modes],
             "temperatures": temperatures,
             "max_tokens": max_tokens,
+            "repeat": repeat,
             "seed": seed,
             "chat_template": chat_template,
             "warmup": warmup,

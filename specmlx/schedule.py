@@ -42,9 +42,12 @@ WINDOW = 16  # recent ratios kept per figure
 PRIOR_ALPHA = 0.6  # acceptance assumed before anything is known
 PRIOR_WEIGHT = 1.0  # how many drafts' worth of evidence that guess counts as
 # How much of a judged draft's evidence one plain step's top target probability counts
-# as: it forecasts agreement at that position well (bench/results/confidence_agreement.md)
-# but the next draft's position is another, and one sure step in prose is common.
-CONFIDENCE_WEIGHT = 0.5
+# as. It forecasts agreement at its position well (bench/results/confidence_agreement.md:
+# at ≥ 0.99, 258 of 258), and a start must come early: on this CPU's INT4 kernel a draft
+# that starts at a 48-token reply's tenth token has its catch-up to pay back first.
+# bench/schedule_sim.py: at 0.5 auto drafts code too late to gain (1.01x, best fixed γ
+# 1.09x), at 2 it gains 1.09-1.11x and loses nothing on prose or short replies.
+CONFIDENCE_WEIGHT = 2.0
 # Draft length of the round that first measures the draft's cost and T(k), and the
 # longest look at a text's α (probe_length picks the cheapest up to it).
 FIRST_PROBE = 3
@@ -53,6 +56,10 @@ FIRST_BACKOFF = 32  # plain rounds before a cost-only probe; doubles after each
 # After this many rounds with drafts in a row, one plain round re-measures T(1), to which
 # every other cost is relative (a stale T(1) would make speculation look better or worse).
 REFRESH = 32
+# The calibration of confidence to acceptance: its prior, in drafts judged (at 1: the
+# measured greedy calibration), and the weight old drafts keep per round with drafts.
+CALIBRATION_PRIOR = 8.0
+CALIBRATION_DECAY = 0.98
 # A look at acceptance that the forecast does not call for may cost at most this share
 # of the plain rounds since the last (forecast: the draft's catch-up plus the round, less
 # the tokens it yields).
@@ -159,6 +166,12 @@ class Acceptance:
     sure: float = 0.0  # the target's top probabilities at plain steps, summed
     steps: float = 0.0  # the plain steps behind `sure`
     seen: bool = False  # evidence of this text, not only the guess
+    calibration: float = 1.0  # acceptance per unit of top probability, for this pair
+
+    @property
+    def confidence(self) -> float | None:
+        """The target's recent top probability (decayed mean), as measured."""
+        return self.sure / self.steps if self.steps else None
 
     def observe(self, g: int, n: int) -> None:
         """A round drafted g and the target accepted n (and rejected the next, if n < g)."""
@@ -182,7 +195,8 @@ class Acceptance:
 
     @property
     def alpha(self) -> float:
-        accepted = self.accepted + CONFIDENCE_WEIGHT * self.sure
+        forecast = min(self.calibration * self.sure, self.steps)  # no step forecasts > 1
+        accepted = self.accepted + CONFIDENCE_WEIGHT * forecast
         return accepted / (self.judged + CONFIDENCE_WEIGHT * self.steps)
 
     def expected_judged(self, g: int) -> float:
@@ -219,11 +233,17 @@ class Scheduler:
     backoff: int = FIRST_BACKOFF
     paused: bool = False  # the last round was plain only to re-measure T(1)
     opening: bool = False  # the next round is a call's first: its token is the target's
+    # Drafts accepted, and accepted as the target's confidence forecast, over this
+    # session's rounds (decayed): how the top probability maps to acceptance for this pair
+    # and sampling. At T = 1 on code drafts passed 0.95 where the top read 0.85; a weak
+    # draft would pass less often than the target is sure.
+    accepted_seen: float = 0.0
+    accepted_forecast: float = 0.0
 
     def start_call(self) -> None:
         """A new generate() call: a new text, whose acceptance is learnt afresh (a question
         after code must not start from the code's α: γ = 8 on prose, seen)."""
-        self.acceptance = Acceptance()
+        self.acceptance = Acceptance(calibration=self.calibration)
         self.paused = False
         self.opening = not self.free_drafts
         self.rounds_since_probe = 0
@@ -249,7 +269,8 @@ class Scheduler:
     def tps(self, rate: float) -> float:
         return rate / self.costs.t1 if self.costs.t1 else 0.0
 
-    def choose(self) -> Choice:
+    def choose(self, remaining: int | None = None) -> Choice:
+        """γ for the next round; `remaining`: the most tokens the call may still emit."""
         if not self.costs.settled:
             return Choice(0)  # plain steps measure T(1) and still emit tokens
         if self.opening:
@@ -273,7 +294,7 @@ class Scheduler:
         need = 1 / MARGIN if going_on else MARGIN
         # This text's α, not only a guess: drafts seen, or the target's confidence in it.
         known = self.free_drafts or self.acceptance.seen
-        if known and rates[best] >= need * rates[0]:
+        if known and self.pays(rates[0], rates[best], need, remaining):
             if self.drafting >= REFRESH:
                 self.paused = True
                 return plain
@@ -298,6 +319,22 @@ class Scheduler:
         self.rounds_since_probe = 0
         return Choice(g, predicted_tps=self.tps(rates[0]))
 
+    def pays(self, plain: float, best: float, need: float, remaining: int | None) -> bool:
+        """Whether drafting beats plain decoding by `need` over the rest of the call. A
+        draft model that sat out first catches up on what it missed: on this CPU's INT4
+        kernel a pass over 20 tokens costs 3 target steps, more than drafting the rest of
+        a 48-token reply can win back (auto 0.89x on code at T = 1, seen)."""
+        if best < need * plain:  # the margin is for the forecast's noise
+            return False
+        catch_up = self.catch_up(self.rounds_since_probe)  # a known cost: no margin
+        return remaining is None or remaining / best + catch_up <= remaining / plain
+
+    def catch_up(self, backlog: int) -> float:
+        """The draft's extra cost, in T(1)s, of taking `backlog` missed tokens with its
+        first pass (priced on the target's cost curve: the same shape of pass)."""
+        c = self.draft_ratio or 0.0
+        return c * ((self.costs.ratio(backlog + 1) or backlog + 1) - 1)
+
     def hopeless(self, plain_rate: float) -> bool:
         """Whether even perfect drafts would lose to plain decoding, at any γ."""
         rates = (self.rate(g, perfect=True) or 0.0 for g in range(1, self.max_gamma + 1))
@@ -321,8 +358,7 @@ class Scheduler:
         first pass takes them too, priced on the target's cost curve). Its cost is taken
         at the margin that drafting must clear: a forecast short of it is no free look."""
         c = self.draft_ratio or 0.0
-        catch_up = c * ((self.costs.ratio(backlog + 1) or backlog + 1) - 1)
-        cost = catch_up + g * c + (self.costs.ratio(g + 1) or g + 1)
+        cost = self.catch_up(backlog) + g * c + (self.costs.ratio(g + 1) or g + 1)
         return MARGIN * cost - self.acceptance.expected_tokens(g)
 
     def record(
@@ -333,6 +369,13 @@ class Scheduler:
         self.costs.observe_target(g + 1, verify_s)
         self.drafting = self.drafting + 1 if g > 0 else 0
         if g > 0 and draft_s is not None:
+            forecast = self.acceptance.confidence
+            if forecast is not None and not self.free_drafts:
+                self.accepted_seen = CALIBRATION_DECAY * self.accepted_seen + n
+                judged = min(n + 1, g)
+                self.accepted_forecast = CALIBRATION_DECAY * self.accepted_forecast
+                self.accepted_forecast += judged * forecast
+                self.acceptance.calibration = self.calibration
             self.acceptance.observe(g, n)
             if not self.free_drafts and passes:
                 self.costs.observe_draft(draft_s / passes)
@@ -340,6 +383,13 @@ class Scheduler:
     def observe_confidence(self, top: float) -> None:
         """A plain step's top target probability: a forecast of this text's α."""
         self.acceptance.observe_confidence(top)
+
+    @property
+    def calibration(self) -> float:
+        """Drafts accepted per unit of forecast, starting from 1 (CALIBRATION_PRIOR drafts'
+        worth): the confidence is calibrated for greedy decoding (confidence_agreement.md)."""
+        seen = self.accepted_seen + CALIBRATION_PRIOR
+        return seen / (self.accepted_forecast + CALIBRATION_PRIOR)
 
 
 def cost_cache_path() -> Path:

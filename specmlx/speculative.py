@@ -279,7 +279,9 @@ def _decode(
     while stats.tokens < max_tokens:
         key, round_key = mx.random.split(key)
         t0 = time.perf_counter()
-        source, g, scheduler, found = _plan_round(session, gamma, model_drafter, lookup, stats)
+        source, g, scheduler, found = _plan_round(
+            session, gamma, model_drafter, lookup, stats, max_tokens - stats.tokens
+        )
         # Never draft past max_tokens: a fully accepted round emits g + 1 tokens.
         g = min(g, max_tokens - stats.tokens - 1) if speculate else 0
         caught_up = False  # this round's draft time includes tokens decoded before it
@@ -369,6 +371,7 @@ def _plan_round(
     model_drafter: ModelDrafter | None,
     lookup: LookupDrafter | None,
     stats: Stats,
+    remaining: int,
 ) -> tuple[str, int, Scheduler | None, list[int]]:
     """Which drafts to use this round, how many, the scheduler that learns from it, and
     what lookup found (one scan of the history: a shorter proposal is its prefix)."""
@@ -384,7 +387,7 @@ def _plan_round(
         # lookup proposes only what the context offers
         return source, len(found[:gamma]) if source == "lookup" else gamma, None, found
     scheduler = session.scheduler(source)
-    choice = scheduler.choose()
+    choice = scheduler.choose(remaining)
     stats.predicted_tps = choice.predicted_tps
     if choice.cost_probe:
         return "probe", choice.gamma, scheduler, found

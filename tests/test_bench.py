@@ -96,6 +96,29 @@ def test_schedule_interleaves_every_mode_per_prompt_and_rotates():
     ]
 
 
+def test_repeats_run_back_to_back_per_prompt_still_rotated():
+    prompts = [bench.Prompt(f"p/{i}", "qa", "x", "tune") for i in range(2)]
+    modes = [bench.TARGET, Mode("specmlx", 2)]
+    order = bench.schedule(prompts, [0.0], modes, repeat=3)
+    assert [p.id for p, _, _ in order] == ["p/0"] * 6 + ["p/1"] * 6
+    assert [m.name for _, _, m in order[:4]] == ["target", "specmlx:2", "specmlx:2", "target"]
+
+
+def test_with_repeats_a_prompts_ratio_is_of_median_runs():
+    # One run of the target stalled (5 tok/s of its usual 10): the median leaves it out.
+    records = [
+        record("a", "target", 10, 1.0),
+        record("a", "target", 10, 2.0),
+        record("a", "target", 10, 1.0),
+        record("a", "specmlx:4", 12, 1.0),
+        record("a", "specmlx:4", 11, 1.0),
+        record("a", "specmlx:4", 13, 1.0),
+    ]
+    assert bench.pairwise_ratios(records)[("specmlx:4", 0.0, "a")] == pytest.approx(1.2)
+    row = next(r for r in bench.summarize(records) if r["mode"] == "specmlx:4")
+    assert (row["prompts"], row["runs"], row["speedup_median"]) == (1, 3, pytest.approx(1.2))
+
+
 def test_speedup_is_the_median_of_pairwise_ratios():
     # target 10, 20, 40 tok/s; the mode 15, 20, 20 tok/s: ratios 1.5, 1.0, 0.5
     records = [

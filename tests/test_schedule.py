@@ -309,19 +309,19 @@ def test_a_call_starts_from_a_guess_that_fades_before_the_targets_confidence():
     a = Acceptance()
     assert a.alpha == pytest.approx(schedule.PRIOR_ALPHA) and not a.seen
     a.observe_confidence(0.99)
-    assert schedule.PRIOR_ALPHA < a.alpha < 0.8  # one step is weak evidence
+    assert schedule.PRIOR_ALPHA < a.alpha < 0.94  # one step does not decide alone
     for _ in range(40):
         a.observe_confidence(0.99)
     assert a.alpha == pytest.approx(0.99, abs=0.01)
 
 
-def test_a_plain_steps_confidence_weighs_less_than_a_judged_draft():
-    drafts, steps = Acceptance(accepted=0.0, judged=0.0), Acceptance(accepted=0.0, judged=0.0)
-    drafts.observe(1, 1)
+def test_a_sure_plain_step_counts_as_confidence_weight_accepted_drafts():
+    w = schedule.CONFIDENCE_WEIGHT
+    drafts, steps = Acceptance(accepted=w, judged=w), Acceptance(accepted=0.0, judged=0.0)
     steps.observe_confidence(1.0)
     for a in (drafts, steps):
         a.observe(1, 0)
-    assert steps.alpha < drafts.alpha
+    assert steps.alpha == pytest.approx(drafts.alpha)
 
 
 def test_a_marginal_forecast_is_not_worth_starting_to_speculate():
@@ -383,3 +383,26 @@ def test_replayed_on_mixed_texts_auto_finds_speculation_where_it_pays_and_loses_
     assert fp32["code"]["auto"] > 1.4 and fp32["prose"]["auto"] > 1.0
     assert int4["code"]["auto"] > 1.0
     assert min(r["auto"] for r in int4.values()) > 0.94
+
+
+def test_a_start_must_pay_back_the_drafts_catch_up_within_the_call():
+    # After 20 plain tokens the INT4 draft's first pass takes 21: ~2.5 target steps here.
+    chosen = {}
+    for remaining in (10, 500):
+        s = warmed(**THIS_CPU, alpha=0.95)
+        s.rounds_since_probe = 20
+        chosen[remaining] = s.choose(remaining).gamma
+    assert chosen[10] == 0 and chosen[500] > 0
+
+
+def test_drafts_that_pass_more_often_than_the_target_is_sure_raise_later_forecasts():
+    # At T = 1 on code drafts passed 0.95 where the top probability read 0.85.
+    s = opened(lambda k: 1 + 0.05 * (k - 1), draft_ratio=0.2)
+    plain_steps(s, [0.85] * 4)
+    for _ in range(20):
+        s.record(3, 3, verify_s=T1 * 1.1, draft_s=0.2 * T1 * 3, passes=3)
+    assert s.calibration > 1.1
+    s.start_call()
+    for _ in range(30):
+        s.observe_confidence(0.85)
+    assert s.acceptance.alpha > 0.85 * 1.1

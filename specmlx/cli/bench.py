@@ -177,6 +177,12 @@ def bench(
     max_tokens: int = typer.Option(
         None, "--max-tokens", "-n", help="Tokens per run (default 128)."
     ),
+    repeat: int = typer.Option(
+        1,
+        "--repeat",
+        help="Time each prompt N times in every mode, interleaved; a prompt's ratio is of "
+        "medians (short replies vary ±20% run to run on a busy machine).",
+    ),
     quick: bool = typer.Option(
         False, "--quick", help="4 shortest prompts × 48 tokens, γ 4 (+auto), greedy."
     ),
@@ -247,9 +253,13 @@ def bench(
         raise options.SpecmlxError("bench needs a draft model: pass --draft")
     mlx_lm_gammas = lib.parse_gammas(mlx_lm_gamma, False) if mlx_lm_gamma else None
     modes = lib.build_modes(gammas, mlx_lm, mlx_lm_target, draft_modes, mlx_lm_gammas)
-    runs = len(chosen) * len(temps) * len(modes)
+    if repeat < 1:
+        raise options.SpecmlxError(f"--repeat must be >= 1, got {repeat}")
+    runs = len(chosen) * len(temps) * len(modes) * repeat
+    times = f" × {repeat} repeats" if repeat > 1 else ""
     log(
-        f"{len(chosen)} prompts × {len(temps)} temperatures × {len(modes)} modes = {runs} runs "
+        f"{len(chosen)} prompts × {len(temps)} temperatures × {len(modes)} modes{times} = "
+        f"{runs} runs "
         f"of ≤ {max_tokens} tokens; modes: {', '.join(m.name for m in modes)}"
     )
     if not auto:
@@ -283,6 +293,7 @@ def bench(
         modes,
         temps,
         max_tokens=max_tokens,
+        repeat=repeat,
         seed=seed,
         chat_template=not raw,
         warmup=warmup,
@@ -304,6 +315,7 @@ def bench(
         "--shortest" if shortest or quick else "",
         f"--skip {skip}" if skip else "",
         f"--max-tokens {max_tokens} --seed {seed}",
+        f"--repeat {repeat}" if repeat > 1 else "",
         "--raw" if raw else "",
         "" if mlx_lm else "--no-mlx-lm",
         "--mlx-lm-target" if mlx_lm_target else "",
