@@ -90,6 +90,7 @@ class Costs:
     target: dict[int, list[float]] = field(default_factory=dict)  # k ≥ 2 -> T(k)/T(1) seen
     draft: list[float] = field(default_factory=list)  # draft pass / T(1) seen
     cached_t1: float | None = None
+    _slope: tuple[float | None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def settled(self) -> bool:
@@ -103,6 +104,7 @@ class Costs:
         return self.cached_t1 or (self.plain[0] if self.plain else None)
 
     def observe_target(self, k: int, seconds: float) -> None:
+        self._slope = None  # every choice reads it many times: computed once per change
         if k == 1:
             self.plain.append(seconds)
             del self.plain[1:-WINDOW]  # keep the first (to leave out) and the recent
@@ -117,8 +119,10 @@ class Costs:
     def slope(self) -> float | None:
         """The extra cost of each new token beyond the first, as a fraction of T(1): the
         median over every multi-token pass seen (a Theil–Sen line through T(1) = 1)."""
-        slopes = [(r - 1) / (k - 1) for k, seen in self.target.items() for r in seen]
-        return max(median(slopes), 0.0) if slopes else None
+        if self._slope is None:
+            slopes = [(r - 1) / (k - 1) for k, seen in self.target.items() for r in seen]
+            self._slope = (max(median(slopes), 0.0),) if slopes else (None,)
+        return self._slope[0]
 
     def ratio(self, k: int) -> float | None:
         """T(k)/T(1): the median seen at k once there are a few, else on the line."""

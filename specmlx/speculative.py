@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import trim_prompt_cache
 
 from .drafters import LookupDrafter, ModelDrafter, point_mass, sync_cache
@@ -267,6 +268,7 @@ def _decode(
     draw = make_sampler(params, vocab)
     # Plain rounds show the γ policy how sure the target is: its forecast of acceptance.
     watching = session.scheduler("model") if gamma == "auto" and model_drafter else None
+    scratch = np.empty(vocab, np.float32) if watching is not None else None
     eos = target.tokenizer.eos_token_ids
     detok = target.tokenizer.detokenizer
     key = mx.random.key(seed)
@@ -321,7 +323,7 @@ def _decode(
             n, token, drafts = 0, token.item(), []
             if watching is not None and stats.tokens > 0:  # a reply's first token is no
                 # sign of its text: it follows the chat template's header (opening_agreement.md)
-                watching.observe_confidence(top_probability(logits, probs, vocab))
+                watching.observe_confidence(top_probability(logits, probs, vocab, scratch))
         t2 = time.perf_counter()
         stats.verify_time += t2 - t1
         stats.target_passes += 1

@@ -100,15 +100,22 @@ def make_sampler(params: SamplingParams, vocab_size: int):
     return mx.compile(draw)
 
 
-def top_probability(logits: mx.array, probs: mx.array | None, vocab_size: int) -> float:
+def top_probability(
+    logits: mx.array, probs: mx.array | None, vocab_size: int, scratch: np.ndarray | None = None
+) -> float:
     """The target's top probability at a plain step: what the γ policy reads as a forecast
     of draft acceptance (schedule.py). `probs`: what make_sampler drew from (None at
     temperature 0, where the top of the unprocessed softmax is read instead).
 
     On the host: MLX's exp is scalar on a CPU (4.5 ms over a 152k vocabulary, 3% of a
-    1.5B INT4 step), numpy's vectorised (0.9 ms).
+    1.5B INT4 step), numpy's vectorised: 0.35 ms into a reused `scratch` of vocab_size
+    float32s, 1.4 ms into fresh memory (page faults) right after a forward pass.
     """
     if probs is not None:
         return mx.max(probs).item()
-    x = np.asarray(logits[0, :vocab_size].astype(mx.float32))
-    return float(1.0 / np.exp(x - x.max()).sum())
+    if logits.dtype != mx.float32:  # numpy has no bfloat16
+        logits = logits.astype(mx.float32)
+    x = np.asarray(logits)[0, :vocab_size]
+    shifted = np.subtract(x, x.max(), out=scratch)
+    np.exp(shifted, out=shifted)
+    return float(1.0 / shifted.sum())

@@ -12,7 +12,7 @@ import pytest
 from stats_util import ALPHA, chi_square_pvalue
 
 from specmlx.sampling import SamplingParams, probabilities
-from specmlx.verify import accept_greedy, accept_reject
+from specmlx.verify import accept_greedy, accept_reject, top_probability
 
 V, N = 8, 200_000
 
@@ -123,3 +123,18 @@ def test_greedy_shortcut_equals_rejection_sampling_on_one_hot_distributions(g):
         n, token = accept_reject(p, q, drafts, mx.random.key(i))
         n_fast, token_fast = accept_greedy(logits, drafts)
         assert (n_fast.item(), token_fast.item()) == (n.item(), token.item())
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_top_probability_at_temperature_0_is_the_softmax_top_over_the_shared_vocabulary(dtype):
+    # The last two logits are embedding padding beyond the tokenizer: never counted.
+    logits = mx.array([[2.0, 1.0, 0.5, -1.0, 9.0, 9.0]], dtype)
+    top = np.exp(2.0) / np.exp([2.0, 1.0, 0.5, -1.0]).sum()
+    assert top_probability(logits, None, vocab_size=4) == pytest.approx(top, rel=1e-2)
+
+
+def test_top_probability_when_sampling_is_the_top_of_the_distribution_sampled_from():
+    params = SamplingParams(temperature=0.7, top_k=2)
+    logits = mx.array([[2.0, 1.0, 0.5, -1.0]])
+    probs = probabilities(logits, params)
+    assert top_probability(logits, probs, vocab_size=4) == pytest.approx(mx.max(probs).item())
