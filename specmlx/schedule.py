@@ -243,6 +243,7 @@ class Scheduler:
     # draft would pass less often than the target is sure.
     accepted_seen: float = 0.0
     accepted_forecast: float = 0.0
+    measuring: bool = False  # this round drafts only to measure costs
 
     def start_call(self) -> None:
         """A new generate() call: a new text, whose acceptance is learnt afresh (a question
@@ -286,6 +287,7 @@ class Scheduler:
             return Choice(0)
         first = min(FIRST_PROBE, self.max_gamma)
         if self.rate(first) is None:
+            self.measuring = True  # where the text is: no forecast's test, no calibration
             return Choice(first)  # measure the draft's cost and T(k)
         rates = {g: self.rate(g) or 0.0 for g in range(self.max_gamma + 1)}
         plain = Choice(0, predicted_tps=self.tps(rates[0]))
@@ -374,7 +376,7 @@ class Scheduler:
         self.drafting = self.drafting + 1 if g > 0 else 0
         if g > 0 and draft_s is not None:
             forecast = self.acceptance.confidence
-            if forecast is not None and not self.free_drafts:
+            if forecast is not None and not self.free_drafts and not self.measuring:
                 self.accepted_seen = CALIBRATION_DECAY * self.accepted_seen + n
                 judged = min(n + 1, g)
                 self.accepted_forecast = CALIBRATION_DECAY * self.accepted_forecast
@@ -383,6 +385,7 @@ class Scheduler:
             self.acceptance.observe(g, n)
             if not self.free_drafts and passes:
                 self.costs.observe_draft(draft_s / passes)
+        self.measuring = False
 
     def observe_confidence(self, top: float) -> None:
         """A plain step's top target probability: a forecast of this text's α."""

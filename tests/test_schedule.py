@@ -375,34 +375,26 @@ def load_simulation():
 
 def test_replayed_on_mixed_texts_auto_finds_speculation_where_it_pays_and_loses_little():
     # 120 calls (code, prose, 8-token replies in turn), each pass's time ±10% at random,
-    # seed 0. Seeds 0-3 gave fp32 code 1.63-1.68x and INT4 0.97-1.04x in every kind
-    # (seed 3: INT4 never drafted, 1.00x everywhere).
+    # seed 0. Seeds 0-3 gave fp32 code 1.70-1.72x, prose 1.07x, short 1.00-1.07x; INT4
+    # code 1.00-1.08x, prose and short 0.997-1.00x (plain decoding but a rare look).
     sim = load_simulation()
     fp32 = sim.simulate("fp32", list(sim.TEXTS), [0, "auto"], 120, seed=0, noise=0.1)
     int4 = sim.simulate("int4", list(sim.TEXTS), [0, "auto"], 120, seed=0, noise=0.1)
-    assert fp32["code"]["auto"] > 1.4 and fp32["prose"]["auto"] > 1.0
-    assert int4["code"]["auto"] > 1.0
-    assert min(r["auto"] for r in int4.values()) > 0.94
+    assert fp32["code"]["auto"] > 1.5 and fp32["prose"]["auto"] > 1.03
+    assert fp32["short"]["auto"] > 0.98
+    assert min(r["auto"] for r in int4.values()) > 0.99
 
 
-def test_a_start_must_pay_back_the_drafts_catch_up_within_the_call():
-    # After 20 plain tokens the INT4 draft's first pass takes 21: ~2.5 target steps here.
-    chosen = {}
-    for remaining in (10, 500):
-        s = warmed(**THIS_CPU, alpha=0.95)
-        s.rounds_since_probe = 20
-        chosen[remaining] = s.choose(remaining).gamma
-    assert chosen[10] == 0 and chosen[500] > 0
-
-
-def test_drafts_that_pass_more_often_than_the_target_is_sure_raise_later_forecasts():
-    # At T = 1 on code drafts passed 0.95 where the top probability read 0.85.
-    s = opened(lambda k: 1 + 0.05 * (k - 1), draft_ratio=0.2)
-    plain_steps(s, [0.85] * 4)
-    for _ in range(20):
-        s.record(3, 3, verify_s=T1 * 1.1, draft_s=0.2 * T1 * 3, passes=3)
-    assert s.calibration > 1.1
+def test_the_round_that_measures_costs_teaches_no_calibration():
+    # It drafts wherever the call stands when costs are first needed, forecast or not:
+    # one unlucky rejection there once kept a whole T = 1 session plain.
+    s = Scheduler(Costs())
     s.start_call()
-    for _ in range(30):
+    for _ in range(schedule.SETTLE + 2):  # T(1) settles, then the call's opening round
+        assert s.choose().gamma == 0
+        s.record(0, 0, verify_s=T1, draft_s=None, passes=None)
         s.observe_confidence(0.85)
-    assert s.acceptance.alpha > 0.85 * 1.1
+    g = s.choose().gamma
+    assert g == schedule.FIRST_PROBE
+    s.record(g, 0, verify_s=T1 * 1.5, draft_s=0.3 * T1 * g, passes=g)
+    assert s.calibration == 1.0
