@@ -34,6 +34,7 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from statistics import median
 
@@ -90,7 +91,6 @@ class Costs:
     target: dict[int, list[float]] = field(default_factory=dict)  # k ≥ 2 -> T(k)/T(1) seen
     draft: list[float] = field(default_factory=list)  # draft pass / T(1) seen
     cached_t1: float | None = None
-    _slope: tuple[float | None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def settled(self) -> bool:
@@ -104,7 +104,7 @@ class Costs:
         return self.cached_t1 or (self.plain[0] if self.plain else None)
 
     def observe_target(self, k: int, seconds: float) -> None:
-        self._slope = None  # every choice reads it many times: computed once per change
+        self.__dict__.pop("slope", None)  # every choice reads it often: once per change
         if k == 1:
             self.plain.append(seconds)
             del self.plain[1:-WINDOW]  # keep the first (to leave out) and the recent
@@ -115,14 +115,12 @@ class Costs:
         if self.settled:
             _push(self.draft, seconds_per_pass / self.t1)
 
-    @property
+    @cached_property
     def slope(self) -> float | None:
         """The extra cost of each new token beyond the first, as a fraction of T(1): the
         median over every multi-token pass seen (a Theil–Sen line through T(1) = 1)."""
-        if self._slope is None:
-            slopes = [(r - 1) / (k - 1) for k, seen in self.target.items() for r in seen]
-            self._slope = (max(median(slopes), 0.0),) if slopes else (None,)
-        return self._slope[0]
+        slopes = [(r - 1) / (k - 1) for k, seen in self.target.items() for r in seen]
+        return max(median(slopes), 0.0) if slopes else None
 
     def ratio(self, k: int) -> float | None:
         """T(k)/T(1): the median seen at k once there are a few, else on the line."""
@@ -139,7 +137,7 @@ class Costs:
         return median(self.draft) if self.draft else None
 
     def to_json(self) -> dict:
-        out = {
+        return {
             "t1": self.t1,  # one figure: it stands in until this process has its own
             "target": {str(k): v for k, v in self.target.items()},
             "draft": self.draft,
@@ -147,7 +145,6 @@ class Costs:
             # from one or two new steps (whose noise would skew every ratio of a call).
             "plain": {"pid": os.getpid(), "seconds": self.plain},
         }
-        return out
 
     @classmethod
     def from_json(cls, data: dict) -> Costs:
@@ -205,7 +202,8 @@ class Acceptance:
 
     def expected_judged(self, g: int) -> float:
         """Drafts the target rules on out of g: 1 + α + … + α^(g-1)."""
-        return sum(self.alpha**i for i in range(g))
+        alpha = self.alpha  # a property over all the evidence: read once, not per term
+        return sum(alpha**i for i in range(g))
 
     def expected_tokens(self, g: int) -> float:
         """E[N] for g drafts: 1 + α + … + α^g (the judged drafts' series, one term on)."""
