@@ -897,10 +897,13 @@ def run_bench(
                 "records": records,
             }
         )
-        r = runners[mode.engine](target, draft, ids_of[prompt.id], mode, temp, max_tokens, seed)
-        r.prompt_id, r.category, r.order = prompt.id, prompt.category, i
-        r.repeat = done[(prompt.id, temp, mode.name)]
+        # Each repeat samples with its own seed: at T > 0 one seed is one text per mode,
+        # and modes compared on one text each say more about those texts than the modes.
+        repeat_index = done[(prompt.id, temp, mode.name)]
         done[(prompt.id, temp, mode.name)] += 1
+        ids = ids_of[prompt.id]
+        r = runners[mode.engine](target, draft, ids, mode, temp, max_tokens, seed + repeat_index)
+        r.prompt_id, r.category, r.order, r.repeat = prompt.id, prompt.category, i, repeat_index
         records.append(r)
     compare_to_target(records)
     rss, rss_peak = process_memory()
@@ -922,6 +925,7 @@ def run_bench(
             "max_tokens": max_tokens,
             "repeat": repeat,
             "seed": seed,
+            "seeds": "seed + repeat: each repeat samples its own text at T > 0",
             "chat_template": chat_template,
             "warmup": warmup,
             "interleaving": "per prompt and temperature, mode order rotated by one each block",

@@ -119,6 +119,27 @@ def test_with_repeats_a_prompts_ratio_is_of_median_runs():
     assert (row["prompts"], row["runs"], row["speedup_median"]) == (1, 3, pytest.approx(1.2))
 
 
+def test_each_repeat_samples_with_its_own_seed(model_dirs):
+    # At T > 0 one seed is one text per mode: repeats must sample others to average over.
+    from specmlx import load
+
+    target = load(model_dirs["target"])
+    seeds = []
+
+    def fake(target, draft, ids, mode, temperature, max_tokens, seed):
+        seeds.append((mode.name, seed))
+        return record("", mode.name, 4, 1.0)
+
+    prompts = [bench.Prompt("p/0", "qa", "x y", "tune")]
+    modes = [bench.TARGET, Mode("specmlx", 2)]
+    result = bench.run_bench(
+        target, target, prompts, modes, [1.0], repeat=3, seed=7, warmup=False,
+        runners={"specmlx": fake},
+    )  # fmt: skip
+    assert sorted(seeds) == sorted((m, s) for m in ("target", "specmlx:2") for s in (7, 8, 9))
+    assert sorted(r["repeat"] for r in result["runs"]) == [0, 0, 1, 1, 2, 2]
+
+
 def test_speedup_is_the_median_of_pairwise_ratios():
     # target 10, 20, 40 tok/s; the mode 15, 20, 20 tok/s: ratios 1.5, 1.0, 0.5
     records = [
