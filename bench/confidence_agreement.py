@@ -10,7 +10,10 @@ when sampling at T = 1). The γ policy reads the top probability as a forecast o
 
     python bench/confidence_agreement.py --target TARGET_DIR --draft DRAFT_DIR \
         bench/results/auto-vs-fixed-int4.json bench/results/lookup-summarization.json \
-        --out bench/results/confidence_agreement.md
+        --out bench/results/confidence_agreement.md [--traces TRACES.json]
+
+`--traces` keeps every position (top, agreement, overlap) for `schedule_sim.py --traces`,
+which replays the γ policy on these real replies.
 """
 
 from __future__ import annotations
@@ -49,17 +52,23 @@ def main() -> None:
     ap.add_argument("--target", required=True, help="the target model the bench used")
     ap.add_argument("--draft", required=True, help="the draft model the bench used")
     ap.add_argument("--out", type=Path, help="write the tables here (markdown)")
+    ap.add_argument(
+        "--traces", type=Path, help="write each reply's positions here (JSON), for schedule_sim"
+    )
     args = ap.parse_args()
     target = load(args.target)
     draft = load(args.draft, tokenizer_from=target)
     texts = {p.id: p.text for p in read_suite()}
-    rows, seen = [], set()
+    rows, seen, limits = [], set(), {}
     for path in args.results:
-        for run in json.loads(path.read_text())["runs"]:
+        result = json.loads(path.read_text())
+        for run in result["runs"]:
             pid, temperature = run["prompt_id"], run["temperature"]
-            if run["mode"] != "target" or temperature not in (0, 1) or (pid, temperature) in seen:
+            reply = (pid, temperature, tuple(run["token_ids"]))  # repeats sample other texts
+            if run["mode"] != "target" or temperature not in (0, 1) or reply in seen:
                 continue
-            seen.add((pid, temperature))
+            seen.add(reply)
+            limits[pid, temperature] = result["settings"]["max_tokens"]
             ids = encode(target, texts[pid], chat_template=True)
             # The reply's first token follows the chat template's header: not its text's
             # (bench/results/opening_agreement.md); the policy leaves it out too.
@@ -97,6 +106,14 @@ def main() -> None:
             f"{at['agree'].mean():.2f} | {at['overlap'].mean():.2f} |"
         )
     tables = "\n\n".join(tables + ["\n".join(replies)])
+    if args.traces:
+        traces = [
+            {"prompt_id": pid, "category": cat, "temperature": temperature}
+            | {"max_tokens": limits[pid, temperature]}
+            | {k: at[k].astype(float).round(4).tolist() for k in POSITIONS}
+            for cat, pid, temperature, at in rows
+        ]
+        args.traces.write_text(json.dumps(traces))
     print(tables)
     if args.out:
         sources = " ".join(str(p) for p in args.results)

@@ -9,14 +9,17 @@ costs it starts from are the ones measured on this machine (bench/results/README
 
     python bench/schedule_sim.py                       # every profile and text kind
     python bench/schedule_sim.py --profile int4 --calls 400
+    python bench/schedule_sim.py --traces TRACES.json  # recorded replies instead
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from statistics import mean
 
 from specmlx.schedule import Costs, Scheduler
@@ -47,6 +50,9 @@ class Text:
     switch: float = 0.2
     opening: int = 1
     opening_alpha: float = 7 / 52  # bench/results/opening_agreement.md
+    # The call's max_tokens, as in the bench's -n 48: a call knows this bound, not where
+    # its reply will end (an 8-token reply looks like a 48-token one to the policy).
+    max_tokens: int = 48
 
     def agreement(self, rng: random.Random) -> tuple[list[bool], list[float]]:
         """Whether a draft at each position would be accepted, and the target's top
@@ -64,16 +70,40 @@ class Text:
         return agree, top
 
 
+@dataclass
+class Trace:
+    """A recorded reply (`bench/confidence_agreement.py --traces`): at each position the
+    target's top probability and the chance that a draft passes there (agreement, 0 or
+    1, for a greedy reply; Σ min(p, q) for one sampled at T = 1). The trace leaves out
+    the reply's first token, so an opening is drawn in front of it as for a Text. Both
+    texts are the target's own: speculation emits the same distribution, so a policy
+    replayed on them meets what it would meet live."""
+
+    category: str
+    tokens: int
+    max_tokens: int
+    top: list[float]
+    accept: list[float]
+
+    def agreement(self, rng: random.Random) -> tuple[list[bool], list[float]]:
+        agree = [rng.random() < Text.opening_alpha] + [rng.random() < a for a in self.accept]
+        pad = self.tokens + 16 - len(agree)
+        return agree + [False] * pad, [0.0] + self.top + [0.0] * pad
+
+    @classmethod
+    def read(cls, path: Path) -> list[Trace]:
+        traces = []
+        for t in json.loads(path.read_text()):
+            accept = t["agree"] if t["temperature"] == 0 else t["overlap"]
+            traces.append(cls(t["category"], len(accept) + 1, t["max_tokens"], t["top"], accept))
+        return traces
+
+
 TEXTS = {
     "code": Text(48, 0.96),
     "prose": Text(48, 0.6, swing=0.3),
     "short": Text(8, 0.5, swing=0.3),  # translation: replies of 7-10 tokens
 }
-
-
-# The calls' max_tokens, as in the bench's -n 48: a call knows this bound, not where its
-# reply will end (an 8-token reply looks like a 48-token one to the policy).
-MAX_TOKENS = 48
 
 
 def logit(p: float) -> float:
@@ -86,7 +116,7 @@ def ratio(profile: dict, k: int) -> float:
 
 
 def run_call(
-    profile: dict, text: Text, gamma, state: dict, rng: random.Random, noise: float
+    profile: dict, text: Text | Trace, gamma, state: dict, rng: random.Random, noise: float
 ) -> float:
     """One generate() call; returns its decode time in T(1)s. `state` carries what a
     Session leaves behind between calls (the cached costs and acceptance)."""
@@ -104,7 +134,7 @@ def run_call(
     tokens, time, backlog, position = 0, 0.0, 0, 0
     prompt_pending = True  # the draft's prompt pass is charged to prefill, not decode
     while tokens < text.tokens:
-        choice = s.choose(MAX_TOKENS - tokens) if auto else None
+        choice = s.choose(text.max_tokens - tokens) if auto else None
         g = choice.gamma if auto else gamma
         g = min(g, text.tokens - tokens - 1)
         probe = auto and choice.cost_probe
@@ -134,16 +164,17 @@ def run_call(
     return time
 
 
-def simulate(profile: str, kinds: list[str], gammas, calls: int, seed: int, noise: float):
-    """Speedup over plain decoding (ratio of mean decode times) of each γ, per text kind,
-    the calls taking the kinds in turn (as the bench takes categories round-robin)."""
+def simulate(profile: str, texts: list, gammas, calls: int, seed: int, noise: float):
+    """Speedup over plain decoding (ratio of mean decode times) of each γ, per kind of
+    text (a Text's name, a Trace's category), the calls taking the texts in turn (as the
+    bench takes categories round-robin)."""
     times: dict = {}
     for gamma in gammas:
         rng = random.Random(seed)
         state: dict = {}
         for i in range(calls):
-            kind = kinds[i % len(kinds)]
-            t = run_call(PROFILES[profile], TEXTS[kind], gamma, state, rng, noise)
+            kind, text = texts[i % len(texts)]
+            t = run_call(PROFILES[profile], text, gamma, state, rng, noise)
             times.setdefault(kind, {}).setdefault(gamma, []).append(t)
     return {kind: {g: mean(by[0]) / mean(ts) for g, ts in by.items()} for kind, by in times.items()}
 
@@ -152,6 +183,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", choices=sorted(PROFILES), action="append")
     ap.add_argument("--text", choices=sorted(TEXTS), action="append", help="default: all, in turn")
+    ap.add_argument(
+        "--traces", type=Path, help="replay recorded replies (confidence_agreement.py --traces)"
+    )
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--noise", type=float, default=0.1, help="lognormal σ of each pass's time")
     ap.add_argument("--seed", type=int, default=0)
@@ -159,8 +193,11 @@ def main() -> None:
     gammas = [0, "auto", 1, 2, 3, 4, 6, 8]
     print("profile  text   " + "  ".join(f"{str(g):>5}" for g in gammas))
     for profile in args.profile or sorted(PROFILES):
-        kinds = args.text or list(TEXTS)
-        result = simulate(profile, kinds, gammas, args.calls, args.seed, args.noise)
+        if args.traces:
+            texts = [(t.category, t) for t in Trace.read(args.traces)]
+        else:
+            texts = [(kind, TEXTS[kind]) for kind in args.text or TEXTS]
+        result = simulate(profile, texts, gammas, args.calls, args.seed, args.noise)
         for kind, r in result.items():
             print(f"{profile:8} {kind:6} " + "  ".join(f"{r[g]:5.2f}" for g in gammas))
 
