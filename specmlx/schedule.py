@@ -42,6 +42,9 @@ DECAY = 0.9  # weight kept by old acceptance observations per round: adapts with
 WINDOW = 16  # recent ratios kept per figure
 PRIOR_ALPHA = 0.6  # acceptance assumed before anything is known
 PRIOR_WEIGHT = 1.0  # how many drafts' worth of evidence that guess counts as
+# Each draft position's own acceptance is shrunk toward the pooled α by this many
+# drafts' worth: a position seen a few times leans on the rest, one seen often speaks.
+POSITION_PRIOR = 2.0
 # How much of a judged draft's evidence one plain step's top target probability counts
 # as. It forecasts agreement at its position well (bench/results/confidence_agreement.md:
 # at ≥ 0.99, 258 of 258), and a start must come early: on this CPU's INT4 kernel a draft
@@ -160,7 +163,13 @@ class Acceptance:
     """α from decayed evidence: drafts the target accepted out of those it judged, and
     plain steps' top target probabilities, each counting as CONFIDENCE_WEIGHT of a judged
     draft. It starts from a weak guess (PRIOR_ALPHA), evidence that ages like the rest:
-    it keeps a step or two from deciding alone, and fades as the text shows itself."""
+    it keeps a step or two from deciding alone, and fades as the text shows itself.
+
+    Drafts are also counted per position in the round: α_i, the chance that draft i
+    passes once the drafts before it have. Acceptance is not the same at every position:
+    a prompt-lookup draft that passes its first token is usually copying a span and
+    passes the rest (α_0 0.6, α_1+ 0.9), so the series 1 + α_0 + α_0·α_1 + … prices long
+    proposals where one pooled α would cut them short."""
 
     accepted: float = PRIOR_ALPHA * PRIOR_WEIGHT
     judged: float = PRIOR_WEIGHT  # drafts the target ruled on (not those after a rejection)
@@ -168,6 +177,8 @@ class Acceptance:
     steps: float = 0.0  # the plain steps behind `sure`
     seen: bool = False  # evidence of this text, not only the guess
     calibration: float = 1.0  # acceptance per unit of top probability, for this pair
+    # Per draft position i: [accepted, judged] (judged: every draft before it passed).
+    positions: list[list[float]] = field(default_factory=list)
 
     @property
     def confidence(self) -> float | None:
@@ -180,6 +191,11 @@ class Acceptance:
         self.accepted += n
         self.judged += min(n + 1, g)
         self.seen = True
+        while len(self.positions) < g:
+            self.positions.append([0.0, 0.0])
+        for i in range(min(n + 1, g)):
+            self.positions[i][0] += i < n
+            self.positions[i][1] += 1
 
     def observe_confidence(self, top: float) -> None:
         """A plain step where the target's top probability was `top`."""
@@ -193,6 +209,9 @@ class Acceptance:
         self.judged *= DECAY
         self.sure *= DECAY
         self.steps *= DECAY
+        for counts in self.positions:
+            counts[0] *= DECAY
+            counts[1] *= DECAY
 
     @property
     def alpha(self) -> float:
@@ -200,13 +219,31 @@ class Acceptance:
         accepted = self.accepted + CONFIDENCE_WEIGHT * forecast
         return accepted / (self.judged + CONFIDENCE_WEIGHT * self.steps)
 
+    def by_position(self, g: int) -> list[float]:
+        """α_0 … α_(g-1): each position's own drafts, shrunk toward the pooled α."""
+        alpha = self.alpha  # a property over all the evidence: read once, not per position
+        prior = POSITION_PRIOR * alpha
+        seen = self.positions
+        return [
+            (seen[i][0] + prior) / (seen[i][1] + POSITION_PRIOR) if i < len(seen) else alpha
+            for i in range(g)
+        ]
+
+    def passing(self, g: int) -> list[float]:
+        """The chance that drafts 0 … i all pass, for i < g: α_0, α_0·α_1, …"""
+        out, chance = [], 1.0
+        for a in self.by_position(g):
+            chance *= a
+            out.append(chance)
+        return out
+
     def expected_judged(self, g: int) -> float:
-        """Drafts the target rules on out of g: 1 + α + … + α^(g-1)."""
-        alpha = self.alpha  # a property over all the evidence: read once, not per term
-        return sum(alpha**i for i in range(g))
+        """Drafts the target rules on out of g: 1 + α_0 + α_0·α_1 + … (g terms)."""
+        return 1.0 + sum(self.passing(g - 1)) if g > 0 else 0.0
 
     def expected_tokens(self, g: int) -> float:
-        """E[N] for g drafts: 1 + α + … + α^g (the judged drafts' series, one term on)."""
+        """E[N] for g drafts: 1 + α_0 + … + α_0·…·α_(g-1) (the judged drafts' series,
+        one term on)."""
         return self.expected_judged(g + 1)
 
 
@@ -261,12 +298,12 @@ class Scheduler:
         verify = self.costs.ratio(g + 1)
         if verify is None or (g > 0 and self.draft_ratio is None):
             return None
-        alpha = 1.0 if perfect else self.acceptance.alpha
-        tokens = g + 1 if perfect else self.acceptance.expected_tokens(g)
+        passing = [1.0] * g if perfect else self.acceptance.passing(g)
+        tokens = 1.0 + sum(passing)
         c = self.draft_ratio or 0.0
         # When every draft passes, the last one was never fed to the draft model: the
         # next round's first draft pass takes it too, a two-token pass.
-        carry = alpha**g * c * ((self.costs.ratio(2) or 2.0) - 1) if g > 0 else 0.0
+        carry = passing[-1] * c * ((self.costs.ratio(2) or 2.0) - 1) if g > 0 else 0.0
         return tokens / (g * c + carry + verify)
 
     def tps(self, rate: float) -> float:

@@ -188,8 +188,7 @@ def test_drafting_goes_on_through_a_forecast_near_even_but_does_not_start_on_one
     starting = s.choose()
     assert starting.predicted_tps == pytest.approx(s.tps(s.rate(0)))  # plain, or a look
     s = warmed(**THIS_CPU, alpha=0.83)
-    verify_s = T1 * THIS_CPU["curve"](best + 1)
-    s.record(best, best, verify_s=verify_s, draft_s=T1 * best * 0.45, passes=best)
+    s.drafting = 1  # the last round drafted (what it showed left out: the same α)
     going_on = s.choose()
     assert going_on.gamma == best  # the forecast's γ, below even but within the margin
     assert going_on.predicted_tps == pytest.approx(s.tps(s.rate(best)))
@@ -305,6 +304,41 @@ def test_a_rejection_ends_what_the_target_judged():
     assert (a.accepted, a.judged) == (1, 2)
 
 
+def spans(n_rounds: int, g: int = 4) -> Acceptance:
+    """Rounds of g drafts that pass whole or fail at the first: copied spans."""
+    a = Acceptance(accepted=0.0, judged=0.0)
+    for i in range(n_rounds):
+        a.observe(g, g if i % 2 else 0)
+    return a
+
+
+def test_each_draft_position_keeps_its_own_acceptance():
+    # Half the rounds fail at the first draft, the rest pass whole: α_0 ≈ 0.5 (the last
+    # rounds weigh most, and the last passed), α_1+ ≈ 1.
+    a = spans(40)
+    first, *later = a.by_position(4)
+    assert 0.45 < first < 0.65 and min(later) > 0.9
+    # Each round yields 5 tokens or 1: 3 on average. One pooled α (0.8) promises more.
+    assert a.expected_tokens(4) == pytest.approx(3.0, abs=0.2)
+    assert sum(a.alpha**i for i in range(5)) > 3.4
+
+
+def test_a_position_seldom_seen_leans_on_the_pooled_acceptance():
+    a = spans(40, g=2)  # nothing is known of positions 2 and 3
+    assert a.by_position(4)[2:] == [a.alpha, a.alpha]
+    fresh = Acceptance(accepted=8.0, judged=10.0)  # pooled evidence, no positions
+    assert fresh.by_position(3) == [pytest.approx(0.8)] * 3
+
+
+def test_copied_spans_are_proposed_longer_than_independent_drafts_of_equal_alpha():
+    # Prompt lookup on this CPU: one pooled α, two shapes. Spans that pass whole are
+    # worth a long proposal; drafts that pass independently are not.
+    copied = warmed(**THIS_CPU, alpha=0.6, free=True)
+    copied.acceptance = spans(40)
+    independent = warmed(**THIS_CPU, alpha=copied.acceptance.alpha, free=True)
+    assert copied.choose().gamma > independent.choose().gamma
+
+
 def test_a_call_starts_from_a_guess_that_fades_before_the_targets_confidence():
     a = Acceptance()
     assert a.alpha == pytest.approx(schedule.PRIOR_ALPHA) and not a.seen
@@ -378,8 +412,9 @@ def test_replayed_on_mixed_texts_auto_finds_speculation_where_it_pays_and_loses_
     # seed 0. Seeds 0-3 gave fp32 code 1.70-1.72x, prose 1.07x, short 1.00-1.07x; INT4
     # code 1.00-1.08x, prose and short 0.997-1.00x (plain decoding but a rare look).
     sim = load_simulation()
-    fp32 = sim.simulate("fp32", list(sim.TEXTS), [0, "auto"], 120, seed=0, noise=0.1)
-    int4 = sim.simulate("int4", list(sim.TEXTS), [0, "auto"], 120, seed=0, noise=0.1)
+    texts = list(sim.TEXTS.items())
+    fp32 = sim.simulate("fp32", texts, [0, "auto"], 120, seed=0, noise=0.1)
+    int4 = sim.simulate("int4", texts, [0, "auto"], 120, seed=0, noise=0.1)
     assert fp32["code"]["auto"] > 1.5 and fp32["prose"]["auto"] > 1.03
     assert fp32["short"]["auto"] > 0.98
     assert min(r["auto"] for r in int4.values()) > 0.99
