@@ -42,6 +42,11 @@ DECAY = 0.9  # weight kept by old acceptance observations per round: adapts with
 WINDOW = 16  # recent ratios kept per figure
 PRIOR_ALPHA = 0.6  # acceptance assumed before anything is known
 PRIOR_WEIGHT = 1.0  # how many drafts' worth of evidence that guess counts as
+# Prompt lookup's guess weighs more: its drafts come in bursts (a copied span passes
+# whole, then the match runs out), so one miss says little about the next match, and a
+# look costs only the verify's extra tokens. At 1, a summary's first miss left lookup
+# plain for 3 rounds, and again after each later miss (10 plain rounds of 24, seen).
+LOOKUP_PRIOR_WEIGHT = 4.0
 # Each draft position's own acceptance is shrunk toward the pooled α by this many
 # drafts' worth: a position seen a few times leans on the rest, one seen often speaks.
 POSITION_PRIOR = 2.0
@@ -220,14 +225,17 @@ class Acceptance:
         return accepted / (self.judged + CONFIDENCE_WEIGHT * self.steps)
 
     def by_position(self, g: int) -> list[float]:
-        """α_0 … α_(g-1): each position's own drafts, shrunk toward the pooled α."""
+        """α_0 … α_(g-1): the first draft's chance is the pooled α (all the evidence: its
+        position holds most of the rejections, so its own count would be shrunk toward
+        itself); each later position's own drafts are shrunk toward it."""
         alpha = self.alpha  # a property over all the evidence: read once, not per position
         prior = POSITION_PRIOR * alpha
         seen = self.positions
-        return [
+        later = [
             (seen[i][0] + prior) / (seen[i][1] + POSITION_PRIOR) if i < len(seen) else alpha
-            for i in range(g)
+            for i in range(1, g)
         ]
+        return [alpha, *later][:g]
 
     def passing(self, g: int) -> list[float]:
         """The chance that drafts 0 … i all pass, for i < g: α_0, α_0·α_1, …"""
@@ -283,7 +291,8 @@ class Scheduler:
     def start_call(self) -> None:
         """A new generate() call: a new text, whose acceptance is learnt afresh (a question
         after code must not start from the code's α: γ = 8 on prose, seen)."""
-        self.acceptance = Acceptance(calibration=self.calibration)
+        weight = LOOKUP_PRIOR_WEIGHT if self.free_drafts else PRIOR_WEIGHT
+        self.acceptance = Acceptance(PRIOR_ALPHA * weight, weight, calibration=self.calibration)
         self.paused = False
         self.opening = not self.free_drafts
         self.rounds_since_probe = 0
