@@ -183,6 +183,7 @@ class Acceptance:
     seen: bool = False  # evidence of this text, not only the guess
     calibration: float = 1.0  # acceptance per unit of top probability, for this pair
     # Per draft position i: [accepted, judged] (judged: every draft before it passed).
+    # Position 0's counts are kept for the indexing; α_0 reads the pooled evidence.
     positions: list[list[float]] = field(default_factory=list)
 
     @property
