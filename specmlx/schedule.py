@@ -182,9 +182,9 @@ class Acceptance:
     steps: float = 0.0  # the plain steps behind `sure`
     seen: bool = False  # evidence of this text, not only the guess
     calibration: float = 1.0  # acceptance per unit of top probability, for this pair
-    # Per draft position i: [accepted, judged] (judged: every draft before it passed).
-    # Position 0's counts are kept for the indexing; α_0 reads the pooled evidence.
-    positions: list[list[float]] = field(default_factory=list)
+    # Per draft position i ≥ 1: [accepted, judged] (judged: every draft before it passed).
+    # α_0 reads the pooled evidence, so the first position keeps no counts of its own.
+    later: list[list[float]] = field(default_factory=list)
 
     @property
     def confidence(self) -> float | None:
@@ -197,11 +197,11 @@ class Acceptance:
         self.accepted += n
         self.judged += min(n + 1, g)
         self.seen = True
-        while len(self.positions) < g:
-            self.positions.append([0.0, 0.0])
-        for i in range(min(n + 1, g)):
-            self.positions[i][0] += i < n
-            self.positions[i][1] += 1
+        while len(self.later) < g - 1:
+            self.later.append([0.0, 0.0])
+        for i in range(1, min(n + 1, g)):
+            self.later[i - 1][0] += i < n
+            self.later[i - 1][1] += 1
 
     def observe_confidence(self, top: float) -> None:
         """A plain step where the target's top probability was `top`."""
@@ -215,7 +215,7 @@ class Acceptance:
         self.judged *= DECAY
         self.sure *= DECAY
         self.steps *= DECAY
-        for counts in self.positions:
+        for counts in self.later:
             counts[0] *= DECAY
             counts[1] *= DECAY
 
@@ -231,10 +231,10 @@ class Acceptance:
         itself); each later position's own drafts are shrunk toward it."""
         alpha = self.alpha  # a property over all the evidence: read once, not per position
         prior = POSITION_PRIOR * alpha
-        seen = self.positions
+        seen = self.later
         later = [
             (seen[i][0] + prior) / (seen[i][1] + POSITION_PRIOR) if i < len(seen) else alpha
-            for i in range(1, g)
+            for i in range(g - 1)
         ]
         return [alpha, *later][:g]
 

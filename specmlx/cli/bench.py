@@ -231,6 +231,8 @@ def bench(
     max_tokens = max_tokens or preset.get("max_tokens") or DEFAULTS["max_tokens"]
     if max_tokens < 1:
         raise options.SpecmlxError(f"--max-tokens must be >= 1, got {max_tokens}")
+    if repeat < 1:  # before loading the models, as for --max-tokens
+        raise options.SpecmlxError(f"--repeat must be >= 1, got {repeat}")
     suite = lib.read_suite(suite_dir or lib.SUITE_DIR)
     chosen = lib.select_prompts(
         suite,
@@ -253,8 +255,6 @@ def bench(
         raise options.SpecmlxError("bench needs a draft model: pass --draft")
     mlx_lm_gammas = lib.parse_gammas(mlx_lm_gamma, False) if mlx_lm_gamma else None
     modes = lib.build_modes(gammas, mlx_lm, mlx_lm_target, draft_modes, mlx_lm_gammas)
-    if repeat < 1:
-        raise options.SpecmlxError(f"--repeat must be >= 1, got {repeat}")
     runs = len(chosen) * len(temps) * len(modes) * repeat
     times = f" × {repeat} repeats" if repeat > 1 else ""
     log(
