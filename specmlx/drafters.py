@@ -67,6 +67,7 @@ class ModelDrafter:
         self.cached: list[int] = []  # tokens whose KV entries are in the cache
         self.pending: list[int] = []  # emitted tokens not yet fed to the draft
         self.backlog = 0  # tokens the last proposal had to catch up on first
+        self.proposals = 0  # made in this Session
 
     def prefill(self, tokens: list[int]) -> None:
         """Line the cache up with `tokens`; what it lacks is fed lazily, at the first
@@ -87,6 +88,7 @@ class ModelDrafter:
         `draw(logits, key) -> (probs, token)` is the compiled sampler for this call; its
         probs are None at temperature 0, and so is the second array returned.
         """
+        self.proposals += 1
         self.backlog = len(self.pending) - 1
         if self.backlog >= PREFILL_STEP:  # a long wait: feed it in bounded chunks first
             self.catch_up()

@@ -79,6 +79,10 @@ MARGIN = 1.05
 # Plain steps (after the process's first) that T(1) needs before any ratio is taken to
 # it: every cost is relative to T(1), so one noisy step would skew them all for a call.
 SETTLE = 3
+# The cost cache's format. 2: draft figures no longer include the draft model's first
+# one-token pass in a process (one-time work, 4x a pass); a cache written before may hold
+# such a figure, which kept auto from ever drafting, so it is measured afresh.
+COSTS_FORMAT = 2
 
 
 def _push(samples: list[float], value: float) -> None:
@@ -146,6 +150,7 @@ class Costs:
 
     def to_json(self) -> dict:
         return {
+            "format": COSTS_FORMAT,
             "t1": self.t1,  # one figure: it stands in until this process has its own
             "target": {str(k): v for k, v in self.target.items()},
             "draft": self.draft,
@@ -156,6 +161,8 @@ class Costs:
 
     @classmethod
     def from_json(cls, data: dict) -> Costs:
+        if data.get("format") != COSTS_FORMAT:
+            raise ValueError(f"cost cache format {data.get('format')}, not {COSTS_FORMAT}")
         target = {int(k): [float(r) for r in v] for k, v in data["target"].items()}
         plain = data.get("plain") or {}
         ours = plain.get("pid") == os.getpid()  # another process's steps are not its T(1)

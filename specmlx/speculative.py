@@ -402,8 +402,16 @@ def _draft_passes(
     source: str, g: int, drafter: ModelDrafter | None, scheduler: Scheduler
 ) -> float | None:
     """How many one-token draft passes this round's draft time stands for, or None when
-    it is no clean figure of one: a first pass that also fed a long backlog."""
-    if source != "model" or drafter.backlog == 0:
+    it is no clean figure of one: a first pass that also fed a long backlog, or a
+    Session's first proposal. In a fresh process that one pays the draft model's one-time
+    work (its first one-token pass: 280 ms against 67 ms after, on this CPU); taken as the
+    draft's cost, it put the 0.5B draft at 0.8-1.0 of the 1.5B target's T(1), where it is
+    0.45, and auto never drafted again in that process, code included."""
+    if source != "model":
+        return g
+    if drafter.proposals == 1:
+        return None
+    if drafter.backlog == 0:
         return g
     if drafter.backlog == 1:  # after a fully accepted round: its last draft rode along
         two = scheduler.costs.ratio(2)  # priced on the target's curve, the same shape

@@ -1,6 +1,7 @@
 """The γ policy: speculate only where measured costs and acceptance say it pays."""
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -402,6 +403,18 @@ def test_costs_are_cached_per_pair(tmp_path, monkeypatch):
 def test_a_cache_in_an_older_format_is_ignored(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECMLX_HOME", str(tmp_path))
     (tmp_path / "costs.json").write_text('{"pair": {"target": {"1": 0.2}, "draft": 0.1}}')
+    assert schedule.load_costs("pair") == Costs()
+
+
+def test_a_cache_from_before_the_first_draft_pass_was_left_out_is_measured_afresh(
+    tmp_path, monkeypatch
+):
+    # Its draft figure may be the draft model's first pass (one-time work): kept, auto
+    # would price the draft at twice its cost and never draft to learn better.
+    monkeypatch.setenv("SPECMLX_HOME", str(tmp_path))
+    old = measured(lambda k: k, 0.9).to_json()
+    del old["format"]
+    (tmp_path / "costs.json").write_text(json.dumps({"pair": old}))
     assert schedule.load_costs("pair") == Costs()
 
 

@@ -245,3 +245,20 @@ def test_lookup_proposes_what_followed_the_last_match():
     drafter = LookupDrafter([1, 2, 3, 4, 5, 9, 2, 3])
     assert drafter.find(2) == [4, 5]  # the 2-gram [2, 3] was followed by 4, 5
     assert LookupDrafter([1, 2, 3]).find(4) == []
+
+
+def test_a_sessions_first_draft_proposal_is_not_taken_as_the_drafts_cost(no_eos):
+    # In a fresh process it pays the draft model's one-time work (4x a pass on this CPU):
+    # taken as the draft's cost, auto priced drafting out and never drafted again.
+    from specmlx.speculative import _draft_passes
+
+    session = specmlx.Session(no_eos["target"], no_eos["perturbed"])
+    drafter, scheduler = session.drafter, session.scheduler("model")
+    drafter.prefill([1, 2, 3, 4])
+    drafter.catch_up()  # no backlog: a clean figure but for being the first
+    for expected in (None, 3):
+        tokens, _ = drafter.propose(
+            3, mx.random.key(0), lambda logits, key: (None, logits.argmax(-1))
+        )
+        assert _draft_passes("model", 3, drafter, scheduler) == expected
+        drafter.rollback(3, 1, tokens.tolist(), tokens.tolist()[:2])
