@@ -404,7 +404,7 @@ def _draft_passes(
     """How many one-token draft passes this round's draft time stands for, or None when
     it is no clean figure of one: a first pass that also fed a long backlog, or a
     Session's first proposal. In a fresh process that one pays the draft model's one-time
-    work (its first one-token pass: 280 ms against 67 ms after, on this CPU); taken as the
+    work (its first one-token pass: 250-280 ms against 67 ms after, on this CPU); taken as the
     draft's cost, it put the 0.5B draft at 0.8-1.0 of the 1.5B target's T(1), where it is
     0.45, and auto never drafted again in that process, code included."""
     if source != "model":

@@ -1,0 +1,76 @@
+"""The target's cost curve T(k)/T(1), alone and right after draft passes, and the draft's pass.
+
+The γ policy (specmlx.schedule) prices a round from ratios the engine times as it runs.
+This script times the same passes outside the engine, so its figures can be checked:
+each target pass over k new tokens is timed with the caches trimmed back after it, k
+interleaved within each repeat, medians over repeats. "after drafts" runs three
+one-token draft passes before each target pass, as a round of γ = 3 does.
+
+    python bench/cost_curve.py --target TARGET_DIR --draft DRAFT_DIR [--kmax 9 --repeat 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from statistics import median
+
+import mlx.core as mx
+from mlx_lm.models.cache import trim_prompt_cache
+
+from specmlx.bench import encode
+from specmlx.drafters import prefill
+from specmlx.kv_cache import make_cache
+from specmlx.loading import Model, load
+
+PROMPT = "Write a python function that adds two numbers and explain it."
+
+
+def timed_pass(model: Model, cache: list, tokens: list[int]) -> float:
+    """Seconds for one forward pass over `tokens`; the cache is left as it was."""
+    start = time.perf_counter()
+    mx.eval(model.module(mx.array(tokens, mx.uint32)[None], cache=cache))
+    seconds = time.perf_counter() - start
+    trim_prompt_cache(cache, len(tokens))
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--draft", required=True)
+    parser.add_argument("--kmax", type=int, default=9)
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    target, draft = load(args.target), load(args.draft)
+    ids = encode(target, PROMPT, chat_template=True)
+    caches = {}
+    for name, model in (("target", target), ("draft", draft)):
+        caches[id(model)] = make_cache(model.module)
+        prefill(model, caches[id(model)], ids)
+        # A process's first one-token pass pays one-time work, even after the prefill.
+        first, second = (timed_pass(model, caches[id(model)], ids[-1:]) for _ in range(2))
+        print(f"{name}: first one-token pass {first * 1000:.0f} ms, the next {second * 1000:.0f}")
+
+    def run(model: Model, k: int) -> float:
+        return timed_pass(model, caches[id(model)], ids[-k:])
+
+    alone = {k: [] for k in range(1, args.kmax + 1)}
+    after = {k: [] for k in (1, 4, 8) if k <= args.kmax}
+    draft_pass = []
+    for _ in range(args.repeat):
+        for k in alone:
+            alone[k].append(run(target, k))
+        draft_pass.append(run(draft, 1))
+        for k in after:
+            for _ in range(3):
+                run(draft, 1)
+            after[k].append(run(target, k))
+    t1 = median(alone[1])
+    print(f"T(1) {t1 * 1000:.0f} ms; draft pass {median(draft_pass) / t1:.2f} of T(1)")
+    print("alone:       " + "  ".join(f"{k}: {median(v) / t1:.2f}" for k, v in alone.items()))
+    print("after drafts: " + "  ".join(f"{k}: {median(v) / t1:.2f}" for k, v in after.items()))
+
+
+if __name__ == "__main__":
+    main()
