@@ -123,8 +123,18 @@ class Terminal:
                 except OSError:  # EIO: the child closed the terminal
                     pass
             if not chunk:
-                raise AssertionError(f"no {what} within {timeout} s; got {self.seen[-1500:]!r}")
+                raise AssertionError(
+                    f"no {what} within {timeout} s ({self.state()}); got {self.seen[-1500:]!r}"
+                )
             self.seen += chunk
+
+    def state(self) -> str:
+        """Whether the child still runs, for a failure's message (it is left unreaped)."""
+        info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        if info is None:
+            return "the child still runs"
+        how = "killed by signal" if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else "exited"
+        return f"the child {how} {info.si_status}"
 
     def expect(self, text: str, timeout: float = 60) -> bytes:
         """Read until `text` appears; return everything before it and consume it."""
