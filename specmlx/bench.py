@@ -84,6 +84,9 @@ class Mode:
     engine: str  # "specmlx" | "mlx-lm"
     gamma: int | str  # draft tokens per round; 0 = the target alone; "auto" = specmlx decides
     draft_mode: str = "model"  # specmlx: "model" | "lookup" (prompt n-grams) | "auto"
+    # The target alone a second time, timed as a mode of its own: an A/A test whose
+    # "speedup" is what this machine's noise alone makes of two identical modes.
+    control: bool = False
 
     @property
     def family(self) -> str:
@@ -93,7 +96,7 @@ class Mode:
     @property
     def name(self) -> str:
         if self.engine == "specmlx" and self.gamma == 0:
-            return "target"
+            return "target:again" if self.control else "target"
         return f"{self.family}:{self.gamma}"
 
     @property
@@ -102,6 +105,7 @@ class Mode:
 
 
 TARGET = Mode("specmlx", 0)
+CONTROL = Mode("specmlx", 0, control=True)
 
 
 @dataclass
@@ -342,13 +346,16 @@ def build_modes(
     mlx_lm_target: bool = False,
     draft_modes: Iterable[str] = ("model",),
     mlx_lm_gammas: list[int] | None = None,
+    control: bool = False,
 ) -> list[Mode]:
     """The target alone, specmlx at each draft mode and γ, mlx-lm at each integer γ
-    (or at `mlx_lm_gammas`, e.g. to pit specmlx's auto against mlx-lm's best fixed γ).
+    (or at `mlx_lm_gammas`, e.g. to pit specmlx's auto against mlx-lm's best fixed γ);
+    `control` adds the target alone again (CONTROL), the run's noise floor.
 
     mlx-lm has neither an automatic γ nor prompt lookup, so it runs fixed γ, model draft.
     """
-    modes = [TARGET] + [Mode("specmlx", g, d) for d in draft_modes for g in gammas]
+    modes = [TARGET] + ([CONTROL] if control else [])
+    modes += [Mode("specmlx", g, d) for d in draft_modes for g in gammas]
     if mlx_lm_target:
         modes.append(Mode("mlx-lm", 0))
     if mlx_lm:

@@ -194,6 +194,9 @@ def test_gamma_and_temperature_parsing():
         "mlx-lm:0",
         "mlx-lm:2",
     ]
+    modes = bench.build_modes([2], mlx_lm=False, control=True)
+    assert [m.name for m in modes] == ["target", "target:again", "specmlx:2"]
+    assert not modes[1].speculative
     modes = bench.build_modes(["auto"], mlx_lm_gammas=[3, 5])
     assert [m.name for m in modes] == ["target", "specmlx:auto", "mlx-lm:3", "mlx-lm:5"]
     modes = bench.build_modes([3], mlx_lm=False, draft_modes=["model", "lookup"])
@@ -210,7 +213,17 @@ def bench_run(model_dirs, tmp_path_factory):
     json_path, png_path = out / "run.json", out / "run.png"
     argv = ["bench", "--model", str(model_dirs["target"]), "--draft", str(model_dirs["perturbed"])]
     argv += ["--categories", "qa,humaneval", "--prompts", "2", "--shortest", "-g", "1,3"]
-    argv += ["-t", "0,1", "-n", "12", "--json", str(json_path), "--plot", str(png_path)]
+    argv += [
+        "-t",
+        "0,1",
+        "-n",
+        "12",
+        "--control",
+        "--json",
+        str(json_path),
+        "--plot",
+        str(png_path),
+    ]
     main(argv)
     return json.loads(json_path.read_text()), png_path
 
@@ -227,7 +240,7 @@ def test_bench_end_to_end_json(bench_run, capsys):
     assert result["models"]["target"]["dtype"] == "float32"
     assert isinstance(result["models"]["target"]["cpu_weights"], str)  # the tiny models: dense
     auto = ["specmlx:auto"] if bench.supports_auto() else []  # added when the engine has it
-    modes = ["target", *auto, "specmlx:1", "specmlx:3", "mlx-lm:1", "mlx-lm:3"]
+    modes = ["target", "target:again", *auto, "specmlx:1", "specmlx:3", "mlx-lm:1", "mlx-lm:3"]
     assert result["settings"]["modes"] == modes
     runs = result["runs"]
     assert len(runs) == 2 * 2 * len(modes)
@@ -249,6 +262,9 @@ def test_bench_end_to_end_json(bench_run, capsys):
                     r["mode"] == mode and r["temperature"] == temp and r["category"] == category
                     for r in rows
                 )
+    control = [r for r in rows if r["mode"] == "target:again" and r["category"] == "all"]
+    assert all(r["speedup_median"] > 0 and r["alpha"] is None for r in control)  # A/A
+    assert "--control" in result["command"]
     gammas = ",".join([*(["auto"] if auto else []), "1", "3"])
     assert f"--gamma {gammas} " in result["command"]
     assert "--prompts 2" in result["command"]

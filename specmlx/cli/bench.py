@@ -194,6 +194,12 @@ def bench(
     mlx_lm_target: bool = typer.Option(
         False, "--mlx-lm-target", help="Also run mlx-lm's plain decoding (its own baseline)."
     ),
+    control: bool = typer.Option(
+        False,
+        "--control",
+        help="Also run the target alone a second time (target:again): an A/A test whose "
+        "speedup is this machine's noise floor.",
+    ),
     mlx_lm_gamma: str = typer.Option(
         None, "--mlx-lm-gamma", help="mlx-lm's γ values, if not --gamma's integers (e.g. 3,5)."
     ),
@@ -254,7 +260,7 @@ def bench(
     if drafter is None:
         raise options.SpecmlxError("bench needs a draft model: pass --draft")
     mlx_lm_gammas = lib.parse_gammas(mlx_lm_gamma, False) if mlx_lm_gamma else None
-    modes = lib.build_modes(gammas, mlx_lm, mlx_lm_target, draft_modes, mlx_lm_gammas)
+    modes = lib.build_modes(gammas, mlx_lm, mlx_lm_target, draft_modes, mlx_lm_gammas, control)
     runs = len(chosen) * len(temps) * len(modes) * repeat
     times = f" × {repeat} repeats" if repeat > 1 else ""
     log(
@@ -319,6 +325,7 @@ def bench(
         "--raw" if raw else "",
         "" if mlx_lm else "--no-mlx-lm",
         "--mlx-lm-target" if mlx_lm_target else "",
+        "--control" if control else "",
         f"--mlx-lm-gamma {mlx_lm_gamma}" if mlx_lm_gamma and mlx_lm else "",
         "" if warmup else "--no-warmup",
     ]
