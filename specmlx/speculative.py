@@ -263,7 +263,7 @@ def _decode(
     stats.prefill_time = time.perf_counter() - start
     if gamma == "auto":
         for source in ("model", "lookup"):
-            session.scheduler(source).start_call()
+            session.scheduler(source).start_call(sampled=not params.greedy)
     verify = make_verifier(params, vocab)
     draw = make_sampler(params, vocab)
     # Plain rounds show the γ policy how sure the target is: its forecast of acceptance.

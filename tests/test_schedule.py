@@ -440,6 +440,26 @@ def test_replayed_on_mixed_texts_auto_finds_speculation_where_it_pays_and_loses_
     assert min(r["auto"] for r in int4.values()) > 0.99
 
 
+def test_calibration_outlives_the_session_and_is_kept_per_sampling(tmp_path, monkeypatch):
+    # The bench and `specmlx generate` start a Session per call: a calibration learnt in
+    # one call must reach the next, or sampled code (pessimistic confidence) never drafts.
+    monkeypatch.setenv("SPECMLX_HOME", str(tmp_path))
+    s = warmed(**THIS_CPU, alpha=0.99)
+    s.start_call(sampled=True)
+    s.acceptance.observe_confidence(0.85)
+    for _ in range(10):
+        s.record(4, 4, verify_s=T1 * 2, draft_s=0.45 * T1 * 4, passes=4)
+    learnt = s.calibration
+    assert learnt > 1.05
+    schedule.save_costs("pair", s.costs)
+    again = Scheduler(schedule.load_costs("pair"))
+    again.start_call(sampled=True)
+    assert again.calibration == pytest.approx(learnt)
+    assert again.acceptance.calibration == pytest.approx(learnt)
+    again.start_call(sampled=False)
+    assert again.calibration == 1.0
+
+
 def test_the_round_that_measures_costs_teaches_no_calibration():
     # It drafts wherever the call stands when costs are first needed, forecast or not:
     # one unlucky rejection there once kept a whole T = 1 session plain.
