@@ -74,6 +74,24 @@ def test_text_mode_reports_cold_start_and_stats(pair, home):
     assert "tok/s" in run.stderr and "TTFT" in run.stderr and "peak memory" in run.stderr
 
 
+def test_the_prompt_may_be_a_plain_argument(pair, home):
+    args = [*pair, "-n", "4", "-g", "2", "--json"]
+    as_flag = specmlx("generate", "-p", "def f(x):", *args, tmp_home=home)
+    as_argument = specmlx("generate", "def f(x):", *args, tmp_home=home)
+    assert as_argument.returncode == 0, as_argument.stderr
+    assert json.loads(as_argument.stdout)["tokens"] == json.loads(as_flag.stdout)["tokens"]
+
+
+@pytest.mark.parametrize(
+    "prompts, says",
+    [([], "no prompt"), (["hi", "-p", "hi"], "give the prompt once")],
+)
+def test_no_prompt_or_two_prompts_is_one_line_and_fails(prompts, says, pair, home):
+    run = specmlx("generate", *pair, *prompts, tmp_home=home)
+    assert run.returncode != 0
+    assert run.stderr.startswith(f"error: {says}") and run.stderr.count("\n") == 1, run.stderr
+
+
 @pytest.mark.parametrize(
     "flags",
     [

@@ -15,6 +15,12 @@ from . import app, options, report
 
 @app.command()
 def generate(
+    prompt_arg: str = typer.Argument(
+        None,
+        metavar="[PROMPT]",
+        help="Prompt text (or --prompt / --prompt-file).",
+        show_default=False,
+    ),
     prompt: str = typer.Option(None, "--prompt", "-p", help="Prompt text."),
     prompt_file: Path = typer.Option(
         None, "--prompt-file", "-f", help="Read the prompt (- = stdin)."
@@ -37,6 +43,10 @@ def generate(
 ) -> None:
     """Generate a reply to one prompt, speculatively when a draft is given."""
     num_draft = options.check_settings(max_tokens, temperature, top_p, top_k, gamma, draft_mode)
+    if prompt_arg is not None:
+        if prompt is not None:
+            raise options.SpecmlxError("give the prompt once: as an argument or --prompt, not both")
+        prompt = prompt_arg
     text = options.read_prompt(prompt, prompt_file)
     err = Console(stderr=True, soft_wrap=True, highlight=False)
     log = (lambda msg: None) if as_json else (lambda msg: err.print(f"[dim]{msg}[/dim]"))

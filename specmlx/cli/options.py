@@ -145,5 +145,7 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
             raise SpecmlxError(f"prompt file {prompt_file} does not exist")
         return prompt_file.read_text()
     if prompt is None:
-        raise SpecmlxError("no prompt: pass --prompt TEXT or --prompt-file FILE ('-' for stdin)")
+        raise SpecmlxError(
+            "no prompt: pass it as an argument, --prompt TEXT or --prompt-file FILE ('-' for stdin)"
+        )
     return prompt
