@@ -43,11 +43,7 @@ def generate(
 ) -> None:
     """Generate a reply to one prompt, speculatively when a draft is given."""
     num_draft = options.check_settings(max_tokens, temperature, top_p, top_k, gamma, draft_mode)
-    if prompt_arg is not None:
-        if prompt is not None:
-            raise options.SpecmlxError("give the prompt once: as an argument or --prompt, not both")
-        prompt = prompt_arg
-    text = options.read_prompt(prompt, prompt_file)
+    text = options.read_prompt(prompt, prompt_file, prompt_arg)
     err = Console(stderr=True, soft_wrap=True, highlight=False)
     log = (lambda msg: None) if as_json else (lambda msg: err.print(f"[dim]{msg}[/dim]"))
     target, drafter, timings = options.load_timed(model, draft, no_draft, dtype, log, cpu_weights)

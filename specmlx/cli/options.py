@@ -135,9 +135,13 @@ def load_timed(
     return target, drafter, timings
 
 
-def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
-    if prompt is not None and prompt_file is not None:
-        raise SpecmlxError("give --prompt or --prompt-file, not both")
+def read_prompt(prompt: str | None, prompt_file: Path | None, argument: str | None = None) -> str:
+    """The prompt from exactly one of: the command's argument, --prompt, --prompt-file."""
+    sources = {"an argument": argument, "--prompt": prompt, "--prompt-file": prompt_file}
+    given = [name for name, value in sources.items() if value is not None]
+    if len(given) > 1:
+        raise SpecmlxError(f"give the prompt once, not as {' and '.join(given)}")
+    prompt = argument if argument is not None else prompt
     if prompt_file is not None:
         if str(prompt_file) == "-":
             return sys.stdin.read()
