@@ -44,28 +44,29 @@ def main() -> None:
     args = parser.parse_args()
     target, draft = load(args.target), load(args.draft)
     ids = encode(target, PROMPT, chat_template=True)
+    models = {"target": target, "draft": draft}
     caches = {}
-    for name, model in (("target", target), ("draft", draft)):
-        caches[id(model)] = make_cache(model.module)
-        prefill(model, caches[id(model)], ids)
+    for name, model in models.items():
+        caches[name] = make_cache(model.module)
+        prefill(model, caches[name], ids)
         # A process's first one-token pass pays one-time work, even after the prefill.
-        first, second = (timed_pass(model, caches[id(model)], ids[-1:]) for _ in range(2))
+        first, second = (timed_pass(model, caches[name], ids[-1:]) for _ in range(2))
         print(f"{name}: first one-token pass {first * 1000:.0f} ms, the next {second * 1000:.0f}")
 
-    def run(model: Model, k: int) -> float:
-        return timed_pass(model, caches[id(model)], ids[-k:])
+    def run(name: str, k: int) -> float:
+        return timed_pass(models[name], caches[name], ids[-k:])
 
     alone = {k: [] for k in range(1, args.kmax + 1)}
     after = {k: [] for k in (1, 4, 8) if k <= args.kmax}
     draft_pass = []
     for _ in range(args.repeat):
         for k in alone:
-            alone[k].append(run(target, k))
-        draft_pass.append(run(draft, 1))
+            alone[k].append(run("target", k))
+        draft_pass.append(run("draft", 1))
         for k in after:
             for _ in range(3):
-                run(draft, 1)
-            after[k].append(run(target, k))
+                run("draft", 1)
+            after[k].append(run("target", k))
     t1 = median(alone[1])
     print(f"T(1) {t1 * 1000:.0f} ms; draft pass {median(draft_pass) / t1:.2f} of T(1)")
     print("alone:       " + "  ".join(f"{k}: {median(v) / t1:.2f}" for k, v in alone.items()))
