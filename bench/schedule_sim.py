@@ -138,7 +138,7 @@ def run_call(
         g = choice.gamma if auto else gamma
         g = min(g, text.tokens - tokens - 1)
         probe = auto and choice.cost_probe
-        draft_s, passes = None, None
+        draft_s, passes, tops = None, None, None
         clean = backlog <= 1  # the engine's rule: a long catch-up is no clean draft figure
         if g > 0:
             n = 0
@@ -150,6 +150,7 @@ def run_call(
                 # The draft feeds what it missed together with its first token.
                 passes = g - 1 + ratio(profile, backlog + 1)
                 draft_s = jitter(profile["c"] * passes)
+                tops = top[position : position + min(n + 1, g)]  # what verify reads
             verify_s = jitter(ratio(profile, g + 1))
             backlog = 1 if n == g and not probe else backlog + n + 1 if probe else 0
         else:
@@ -157,7 +158,7 @@ def run_call(
             if auto and position > 0:  # as the engine: the reply's first token is no sign
                 s.observe_confidence(top[position])
         if auto:
-            s.record(g, n, verify_s, draft_s, passes if clean else None)
+            s.record(g, n, verify_s, draft_s, passes if clean else None, tops)
         time += verify_s + (draft_s or 0.0)
         tokens += n + 1
         position += n + 1

@@ -35,6 +35,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from functools import cached_property
+from operator import mul
 from pathlib import Path
 from statistics import median
 
@@ -65,8 +66,13 @@ FIRST_BACKOFF = 32  # plain rounds before a cost-only probe; doubles after each
 # After this many rounds with drafts in a row, one plain round re-measures T(1), to which
 # every other cost is relative (a stale T(1) would make speculation look better or worse).
 REFRESH = 32
-# The calibration of confidence to acceptance: its prior, in drafts judged (at 1: the
-# measured greedy calibration), and the weight old drafts keep per round with drafts.
+# The calibration of confidence to acceptance is kept per band of top probability (upper
+# edges; the last band runs to 1): at T = 1 the top under-forecasts acceptance where the
+# target is unsure (0.22 -> 0.47, 0.40 -> 0.57) and over-forecasts a little where it is
+# sure (0.97 -> 0.90), so one factor for all fits none (bench/results/confidence_agreement.md).
+BANDS = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
+# Each band's prior, in drafts judged at its middle (at 1: the measured greedy
+# calibration), and the weight its old drafts keep per new one judged in the band.
 CALIBRATION_PRIOR = 8.0
 CALIBRATION_DECAY = 0.98
 # A look at acceptance that the forecast does not call for may cost at most this share
@@ -81,8 +87,9 @@ MARGIN = 1.05
 SETTLE = 3
 # The cost cache's format. 2: draft figures no longer include the draft model's first
 # one-token pass in a process (one-time work, 4x a pass); a cache written before may hold
-# such a figure, which kept auto from ever drafting, so it is measured afresh.
-COSTS_FORMAT = 2
+# such a figure, which kept auto from ever drafting, so it is measured afresh. 3: the
+# calibration is kept per band of top probability.
+COSTS_FORMAT = 3
 
 
 def _push(samples: list[float], value: float) -> None:
@@ -105,12 +112,11 @@ class Costs:
     draft: list[float] = field(default_factory=list)  # draft pass / T(1) seen
     cached_t1: float | None = None
     # How the target's top probability maps to acceptance for this pair, per sampling
-    # ("greedy" or "sampled"): [drafts accepted, drafts the confidence forecast to pass],
-    # decayed sums over rounds with drafts. Kept with the costs, across calls and runs:
-    # a call that starts from no evidence rarely drafts at T = 1, where the confidence
-    # is pessimistic, and so never learns it (a Session per call: auto 1.03x on sampled
-    # code where γ = 4 gained 1.19x).
-    calibration: dict[str, list[float]] = field(default_factory=dict)
+    # ("greedy" or "sampled") and per band of BANDS: [drafts accepted, their top
+    # probabilities summed], decayed. Kept with the costs, across calls and runs: a call
+    # that starts from no evidence rarely drafts at T = 1 and so never learns it (a
+    # Session per call: auto 1.03x on sampled code where γ = 4 gained 1.19x).
+    calibration: dict[str, list[list[float]]] = field(default_factory=dict)
 
     @property
     def settled(self) -> bool:
@@ -177,8 +183,9 @@ class Costs:
         ours = plain.get("pid") == os.getpid()  # another process's steps are not its T(1)
         mine = [float(t) for t in plain.get("seconds", [])] if ours else []
         calibration = {
-            kind: [float(seen), float(forecast)]
-            for kind, (seen, forecast) in data.get("calibration", {}).items()
+            kind: [[float(accepted), float(tops)] for accepted, tops in bands]
+            for kind, bands in data.get("calibration", {}).items()
+            if len(bands) == len(BANDS) + 1
         }
         return cls(mine, target, [float(r) for r in data["draft"]], float(data["t1"]), calibration)
 
@@ -187,8 +194,10 @@ class Costs:
 class Acceptance:
     """α from decayed evidence: drafts the target accepted out of those it judged, and
     plain steps' top target probabilities, each counting as CONFIDENCE_WEIGHT of a judged
-    draft. It starts from a weak guess (PRIOR_ALPHA), evidence that ages like the rest:
-    it keeps a step or two from deciding alone, and fades as the text shows itself.
+    draft, calibrated per band of BANDS when α is read (what drafts teach the calibration
+    reweighs the plain steps already seen). It starts from a weak guess (PRIOR_ALPHA),
+    evidence that ages like the rest: it keeps a step or two from deciding alone, and
+    fades as the text shows itself.
 
     Drafts are also counted per position in the round: α_i, the chance that draft i
     passes once the drafts before it have. Acceptance is not the same at every position:
@@ -198,18 +207,15 @@ class Acceptance:
 
     accepted: float = PRIOR_ALPHA * PRIOR_WEIGHT
     judged: float = PRIOR_WEIGHT  # drafts the target ruled on (not those after a rejection)
-    sure: float = 0.0  # the target's top probabilities at plain steps, summed
-    steps: float = 0.0  # the plain steps behind `sure`
+    # Per band of BANDS: plain steps' top probabilities summed, and how many steps.
+    sure: list[float] = field(default_factory=lambda: [0.0] * (len(BANDS) + 1))
+    steps: list[float] = field(default_factory=lambda: [0.0] * (len(BANDS) + 1))
     seen: bool = False  # evidence of this text, not only the guess
-    calibration: float = 1.0  # acceptance per unit of top probability, for this pair
+    # Per band: acceptance per unit of top probability, for this pair and sampling.
+    calibration: list[float] = field(default_factory=lambda: [1.0] * (len(BANDS) + 1))
     # Per draft position i ≥ 1: [accepted, judged] (judged: every draft before it passed).
     # α_0 reads the pooled evidence, so the first position keeps no counts of its own.
     later: list[list[float]] = field(default_factory=list)
-
-    @property
-    def confidence(self) -> float | None:
-        """The target's recent top probability (decayed mean), as measured."""
-        return self.sure / self.steps if self.steps else None
 
     def observe(self, g: int, n: int) -> None:
         """A round drafted g and the target accepted n (and rejected the next, if n < g)."""
@@ -226,24 +232,26 @@ class Acceptance:
     def observe_confidence(self, top: float) -> None:
         """A plain step where the target's top probability was `top`."""
         self._age()  # what drafts showed ages by a step too: the text moves on
-        self.sure += top
-        self.steps += 1
+        b = band(top)
+        self.sure[b] += top
+        self.steps[b] += 1
         self.seen = True
 
     def _age(self) -> None:
         self.accepted *= DECAY
         self.judged *= DECAY
-        self.sure *= DECAY
-        self.steps *= DECAY
+        self.sure = [DECAY * x for x in self.sure]
+        self.steps = [DECAY * x for x in self.steps]
         for counts in self.later:
             counts[0] *= DECAY
             counts[1] *= DECAY
 
     @property
     def alpha(self) -> float:
-        forecast = min(self.calibration * self.sure, self.steps)  # no step forecasts > 1
+        # no step forecasts more than certainty
+        forecast = sum(map(min, map(mul, self.calibration, self.sure), self.steps))
         accepted = self.accepted + CONFIDENCE_WEIGHT * forecast
-        return accepted / (self.judged + CONFIDENCE_WEIGHT * self.steps)
+        return accepted / (self.judged + CONFIDENCE_WEIGHT * sum(self.steps))
 
     def by_position(self, g: int) -> list[float]:
         """α_0 … α_(g-1): the first draft's chance is the pooled α (all the evidence: its
@@ -301,11 +309,10 @@ class Scheduler:
     backoff: int = FIRST_BACKOFF
     paused: bool = False  # the last round was plain only to re-measure T(1)
     opening: bool = False  # the next round is a call's first: its token is the target's
-    # Which of the costs' calibrations this call reads and teaches: at T = 1 on code drafts
-    # passed 0.95 where the top read 0.85, greedy they pass as the top says; a weak draft
-    # would pass less often than the target is sure.
+    # Which of the costs' calibrations this call reads and teaches: greedy, drafts pass
+    # about as often as the target is sure; at T = 1 more often where it is unsure (a
+    # close draft is unsure the same way); a weak draft would pass less often.
     sampling: str = "greedy"
-    measuring: bool = False  # this round drafts only to measure costs
 
     def start_call(self, sampled: bool = False) -> None:
         """A new generate() call: a new text, whose acceptance is learnt afresh (a question
@@ -351,7 +358,6 @@ class Scheduler:
             return Choice(0)
         first = min(FIRST_PROBE, self.max_gamma)
         if self.rate(first) is None:
-            self.measuring = True  # where the text is: no forecast's test, no calibration
             return Choice(first)  # measure the draft's cost and T(k)
         rates = {g: self.rate(g) or 0.0 for g in range(self.max_gamma + 1)}
         plain = Choice(0, predicted_tps=self.tps(rates[0]))
@@ -432,36 +438,67 @@ class Scheduler:
         return MARGIN * cost - self.acceptance.expected_tokens(g)
 
     def record(
-        self, g: int, n: int, verify_s: float, draft_s: float | None, passes: float | None
+        self,
+        g: int,
+        n: int,
+        verify_s: float,
+        draft_s: float | None,
+        passes: float | None,
+        tops: list[float] | None = None,
     ) -> None:
         """A finished round: g drafts, n accepted; draft_s None for a cost-only probe;
-        passes: one-token draft passes that draft_s stands for (None: not a clean figure)."""
+        passes: one-token draft passes that draft_s stands for (None: not a clean figure);
+        tops: the target's top probability at each draft it judged (min(n + 1, g) of them)."""
         self.costs.observe_target(g + 1, verify_s)
         self.drafting = self.drafting + 1 if g > 0 else 0
         if g > 0 and draft_s is not None:
-            forecast = self.acceptance.confidence
-            if forecast is not None and not self.free_drafts and not self.measuring:
-                counts = self.costs.calibration.setdefault(self.sampling, [0.0, 0.0])
-                judged = min(n + 1, g)
-                counts[0] = CALIBRATION_DECAY * counts[0] + n
-                counts[1] = CALIBRATION_DECAY * counts[1] + judged * forecast
-                self.acceptance.calibration = self.calibration
+            if tops and not self.free_drafts:
+                self.calibrate(tops, n)
             self.acceptance.observe(g, n)
             if not self.free_drafts and passes:
                 self.costs.observe_draft(draft_s / passes)
-        self.measuring = False
+
+    def calibrate(self, tops: list[float], n: int) -> None:
+        """Teach the calibration what the target's confidence said at each judged draft
+        and whether it passed (the first n did). Read at the draft itself, from the
+        verify pass: a forecast from the plain steps before a round would be stale, and
+        learnt only where drafting had started, it read low (rounds start where the
+        forecast happened to be high: 0.99 learnt at T = 1, where the band figures run
+        0.92-2.1)."""
+        bands = self.costs.calibration.setdefault(
+            self.sampling, [[0.0, 0.0] for _ in range(len(BANDS) + 1)]
+        )
+        for i, top in enumerate(tops):
+            counts = bands[band(top)]
+            counts[0] = CALIBRATION_DECAY * counts[0] + (i < n)
+            counts[1] = CALIBRATION_DECAY * counts[1] + top
+        self.acceptance.calibration = self.calibration
+
+    @property
+    def calibration(self) -> list[float]:
+        """Per band: drafts accepted per unit of top probability, for this call's
+        sampling, from CALIBRATION_PRIOR drafts' worth at 1 (greedy, the top is
+        calibrated as it is: confidence_agreement.md)."""
+        edges = (0.0, *BANDS, 1.0)
+        bands = self.costs.calibration.get(self.sampling) or [(0.0, 0.0)] * (len(BANDS) + 1)
+        factors = []
+        for b, (accepted, tops) in enumerate(bands):
+            prior = CALIBRATION_PRIOR * (edges[b] + edges[b + 1]) / 2
+            factors.append((accepted + prior) / (tops + prior))
+        return factors
+
+    def forecast(self, top: float) -> float:
+        """The chance that a draft passes where the target's top probability is `top`."""
+        return min(1.0, top * self.calibration[band(top)])
 
     def observe_confidence(self, top: float) -> None:
         """A plain step's top target probability: a forecast of this text's α."""
         self.acceptance.observe_confidence(top)
 
-    @property
-    def calibration(self) -> float:
-        """Drafts accepted per unit of forecast, for this call's sampling, starting from 1
-        (CALIBRATION_PRIOR drafts' worth): the confidence is calibrated for greedy decoding
-        (confidence_agreement.md)."""
-        seen, forecast = self.costs.calibration.get(self.sampling, (0.0, 0.0))
-        return (seen + CALIBRATION_PRIOR) / (forecast + CALIBRATION_PRIOR)
+
+def band(top: float) -> int:
+    """Which band of BANDS a top probability falls in."""
+    return next((i for i, edge in enumerate(BANDS) if top < edge), len(BANDS))
 
 
 def cost_cache_path() -> Path:

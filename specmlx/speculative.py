@@ -23,7 +23,7 @@ from .kv_cache import make_cache
 from .loading import Model, backend, check_pair
 from .sampling import SamplingParams
 from .schedule import Scheduler, load_costs, save_costs
-from .verify import make_sampler, make_verifier, top_probability
+from .verify import make_sampler, make_verifier, top_probabilities, top_probability
 
 
 @dataclass(frozen=True)
@@ -287,6 +287,7 @@ def _decode(
         # Never draft past max_tokens: a fully accepted round emits g + 1 tokens.
         g = min(g, max_tokens - stats.tokens - 1) if speculate else 0
         caught_up = False  # this round's draft time includes tokens decoded before it
+        tops = None  # the target's top probability at each judged model draft (auto)
         if g > 0:
             draft_key, verify_key = mx.random.split(round_key)
             if source == "model":
@@ -307,9 +308,16 @@ def _decode(
             t1 = time.perf_counter()
             x = mx.concatenate([mx.array([last], mx.uint32), draft_tokens])
             logits = target.module(x[None], cache=cache)[0]
-            n, token = verify(logits, q, draft_tokens, verify_key)
+            n, token, top = verify(logits, q, draft_tokens, verify_key)
             mx.eval(n, token)  # the one host sync of the round
             n, token = n.item(), token.item()
+            if scheduler is not None and source == "model":  # calibrates the forecast
+                judged = min(n + 1, g)
+                tops = (
+                    top[:judged].tolist()
+                    if top is not None
+                    else top_probabilities(logits[:judged], vocab, scratch)
+                )
             drafts = draft_tokens.tolist()
             trim_prompt_cache(cache, g - n)
             stats.draft_time += t1 - t0
@@ -332,7 +340,7 @@ def _decode(
         if scheduler is not None:
             draft_s = None if source == "probe" else t1 - t0
             passes = None if caught_up else _draft_passes(source, g, model_drafter, scheduler)
-            scheduler.record(g, n, t2 - t1, draft_s, passes)
+            scheduler.record(g, n, t2 - t1, draft_s, passes, tops)
         cached += [last] + drafts[:n]
         block = drafts[:n] + [token]
         if model_drafter is not None and source == "model":

@@ -64,18 +64,21 @@ def accept_greedy(logits: mx.array, draft_tokens: mx.array) -> tuple[mx.array, m
 @lru_cache(maxsize=32)  # compiled functions are reused across generate() calls
 def make_verifier(params: SamplingParams, vocab_size: int):
     """Compiled: (target logits of one round (g+1, V'), q (g, V), drafts (g,), key) ->
-    (n accepted, next token). At temperature 0, q may be None (it is not needed).
+    (n accepted, next token, the target's top probability at each draft (g,)). At
+    temperature 0, q may be None (it is not needed), and so is the third: the top of an
+    unprocessed softmax costs a V-sized exp per row there (top_probabilities, on the host).
 
     Logits beyond `vocab_size` (embedding padding) are dropped before processing, so
     draft and target are compared over the shared tokenizer vocabulary.
     """
     if params.greedy:
         greedy = mx.compile(lambda logits, drafts: accept_greedy(logits[:, :vocab_size], drafts))
-        return lambda logits, q, draft_tokens, key: greedy(logits, draft_tokens)
+        return lambda logits, q, draft_tokens, key: (*greedy(logits, draft_tokens), None)
 
     def verify(logits: mx.array, q: mx.array, draft_tokens: mx.array, key: mx.array):
         p = probabilities(logits[:, :vocab_size], params)
-        return accept_reject(p, q, draft_tokens, key)
+        n, token = accept_reject(p, q, draft_tokens, key)
+        return n, token, mx.max(p[:-1], axis=-1)
 
     return mx.compile(verify)
 
@@ -105,17 +108,26 @@ def top_probability(
 ) -> float:
     """The target's top probability at a plain step: what the γ policy reads as a forecast
     of draft acceptance (schedule.py). `probs`: what make_sampler drew from (None at
-    temperature 0, where the top of the unprocessed softmax is read instead).
+    temperature 0, where the top of the unprocessed softmax is read instead)."""
+    if probs is not None:
+        return mx.max(probs).item()
+    return top_probabilities(logits, vocab_size, scratch)[0]
+
+
+def top_probabilities(
+    logits: mx.array, vocab_size: int, scratch: np.ndarray | None = None
+) -> list[float]:
+    """The top of each row's softmax over the first `vocab_size` logits (rows, V').
 
     On the host: MLX's exp is scalar on a CPU (4.5 ms over a 152k vocabulary, 3% of a
     1.5B INT4 step), numpy's vectorised: 0.35 ms into a reused `scratch` of vocab_size
     float32s, 1.4 ms into fresh memory (page faults) right after a forward pass.
     """
-    if probs is not None:
-        return mx.max(probs).item()
     if logits.dtype != mx.float32:  # numpy has no bfloat16
         logits = logits.astype(mx.float32)
-    x = np.asarray(logits)[0, :vocab_size]
-    shifted = np.subtract(x, x.max(), out=scratch)
-    np.exp(shifted, out=shifted)
-    return float(1.0 / shifted.sum())
+    tops = []
+    for x in np.asarray(logits)[:, :vocab_size]:
+        shifted = np.subtract(x, x.max(), out=scratch)
+        np.exp(shifted, out=shifted)
+        tops.append(float(1.0 / shifted.sum()))
+    return tops

@@ -177,7 +177,9 @@ def test_once_drafting_accepted_drafts_go_on_and_rejected_ones_stop():
         g = next(g for g in chosen if g > 0)
         for _ in range(2):
             n = g if accepted else 0
-            s.record(g, n, verify_s=T1 * THIS_CPU["curve"](g + 1), draft_s=0.45 * T1 * g, passes=g)
+            verify_s = T1 * THIS_CPU["curve"](g + 1)
+            tops = [0.95] * min(n + 1, g)  # as sure at the drafts as before them
+            s.record(g, n, verify_s, draft_s=0.45 * T1 * g, passes=g, tops=tops)
             g = s.choose().gamma
         assert (g > 0) == goes_on
 
@@ -446,30 +448,39 @@ def test_calibration_outlives_the_session_and_is_kept_per_sampling(tmp_path, mon
     monkeypatch.setenv("SPECMLX_HOME", str(tmp_path))
     s = warmed(**THIS_CPU, alpha=0.99)
     s.start_call(sampled=True)
-    s.acceptance.observe_confidence(0.85)
-    for _ in range(10):
-        s.record(4, 4, verify_s=T1 * 2, draft_s=0.45 * T1 * 4, passes=4)
-    learnt = s.calibration
-    assert learnt > 1.05
+    for _ in range(10):  # drafts pass every time where the target was 0.85 sure
+        s.record(4, 4, verify_s=T1 * 2, draft_s=0.45 * T1 * 4, passes=4, tops=[0.85] * 4)
+    learnt = s.forecast(0.85)
+    assert learnt > 0.85 * 1.05
     schedule.save_costs("pair", s.costs)
     again = Scheduler(schedule.load_costs("pair"))
     again.start_call(sampled=True)
-    assert again.calibration == pytest.approx(learnt)
-    assert again.acceptance.calibration == pytest.approx(learnt)
+    assert again.forecast(0.85) == pytest.approx(learnt)
     again.start_call(sampled=False)
-    assert again.calibration == 1.0
+    assert again.forecast(0.85) == 0.85
 
 
-def test_the_round_that_measures_costs_teaches_no_calibration():
-    # It drafts wherever the call stands when costs are first needed, forecast or not:
-    # one unlucky rejection there once kept a whole T = 1 session plain.
+def test_calibration_is_kept_per_band_of_confidence():
+    # At T = 1 a close draft passes more often than the target is sure where it is unsure
+    # (0.4 -> 0.57, bench/results/confidence_agreement.md) and a little less where it is
+    # sure (0.97 -> 0.90): one factor for both would be wrong at both.
+    s = Scheduler(Costs())
+    s.start_call(sampled=True)
+    for _ in range(40):
+        s.calibrate([0.4, 0.4, 0.97, 0.97], n=2)  # the two unsure pass, the two sure not
+    assert s.forecast(0.4) > 0.6 and s.forecast(0.97) < 0.5
+    assert s.forecast(0.75) == 0.75  # a band nothing was seen in keeps its prior
+
+
+def test_calibration_reads_the_confidence_at_the_drafts_not_before_the_round():
+    # Rounds start where the plain steps' forecast happened to be high: calibrated
+    # against that forecast, acceptance read low (0.99 learnt at T = 1). The verify pass
+    # shows the target's top at each judged draft, which the round's start did not pick.
     s = Scheduler(Costs())
     s.start_call()
-    for _ in range(schedule.SETTLE + 2):  # T(1) settles, then the call's opening round
-        assert s.choose().gamma == 0
-        s.record(0, 0, verify_s=T1, draft_s=None, passes=None)
-        s.observe_confidence(0.85)
-    g = s.choose().gamma
-    assert g == schedule.FIRST_PROBE
-    s.record(g, 0, verify_s=T1 * 1.5, draft_s=0.3 * T1 * g, passes=g)
-    assert s.calibration == 1.0
+    for top in (0.9, 0.92, 0.95):  # plain steps: the target fairly sure
+        s.observe_confidence(top)
+    s.calibrate([0.995, 0.995, 0.6], n=2)  # sure drafts passed, the unsure one did not
+    assert s.forecast(0.995) == pytest.approx(0.995, abs=0.002)  # as sure as it said
+    assert s.forecast(0.6) < 0.6
+    assert s.forecast(0.92) == 0.92  # the band of the plain steps learnt nothing

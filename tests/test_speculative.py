@@ -262,3 +262,28 @@ def test_a_sessions_first_draft_proposal_is_not_taken_as_the_drafts_cost(no_eos)
         )
         assert _draft_passes("model", 3, drafter, scheduler) == expected
         drafter.rollback(3, 1, tokens.tolist(), tokens.tolist()[:2])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_auto_calibrates_on_the_targets_confidence_at_each_judged_draft(
+    no_eos, monkeypatch, tmp_path, temperature
+):
+    # The γ policy learns how the target's top probability forecasts acceptance from the
+    # verify pass itself: one top per draft the target ruled on, each the top of the
+    # distribution it judged with (processed at T > 0; the plain softmax greedy).
+    from specmlx.schedule import Scheduler
+
+    monkeypatch.setenv("SPECMLX_HOME", str(tmp_path))  # no costs yet: the first rounds draft
+    seen = []
+    calibrate = Scheduler.calibrate
+    monkeypatch.setattr(
+        Scheduler, "calibrate", lambda s, tops, n: seen.append((tops, n)) or calibrate(s, tops, n)
+    )
+    gen = specmlx.generate(
+        no_eos["target"], PROMPT, no_eos["perturbed"], max_tokens=24, temperature=temperature
+    )
+    gen.run()
+    assert gen.stats.rounds_by_source.get("model", 0) == len(seen) > 0
+    for tops, n in seen:
+        assert 1 <= len(tops) <= 8 and n <= len(tops)
+        assert all(0 < top <= 1 for top in tops)
