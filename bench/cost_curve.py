@@ -4,7 +4,10 @@ The γ policy (specmlx.schedule) prices a round from ratios the engine times as 
 This script times the same passes outside the engine, so its figures can be checked:
 each target pass over k new tokens is timed with the caches trimmed back after it, k
 interleaved within each repeat, medians over repeats. "after drafts" runs three
-one-token draft passes before each target pass, as a round of γ = 3 does.
+one-token draft passes before each target pass, as a round of γ = 3 does. "draft
+catch-up" is the draft's own pass over k tokens (a draft that sat out k - 1 plain rounds
+takes them with its first pass), as a ratio to its one-token pass: the policy prices it
+on the target's curve.
 
     python bench/cost_curve.py --target TARGET_DIR --draft DRAFT_DIR [--kmax 9 --repeat 5]
 """
@@ -59,10 +62,13 @@ def main() -> None:
     alone = {k: [] for k in range(1, args.kmax + 1)}
     after = {k: [] for k in (1, 4, 8) if k <= args.kmax}
     draft_pass = []
+    catch_up = {k: [] for k in (2, 5, 10, 20) if k < len(ids)}
     for _ in range(args.repeat):
         for k in alone:
             alone[k].append(run("target", k))
         draft_pass.append(run("draft", 1))
+        for k in catch_up:
+            catch_up[k].append(run("draft", k))
         for k in after:
             for _ in range(3):
                 run("draft", 1)
@@ -71,6 +77,8 @@ def main() -> None:
     print(f"T(1) {t1 * 1000:.0f} ms; draft pass {median(draft_pass) / t1:.2f} of T(1)")
     print("alone:       " + "  ".join(f"{k}: {median(v) / t1:.2f}" for k, v in alone.items()))
     print("after drafts: " + "  ".join(f"{k}: {median(v) / t1:.2f}" for k, v in after.items()))
+    d1 = median(draft_pass)
+    print("draft catch-up: " + "  ".join(f"{k}: {median(v) / d1:.2f}" for k, v in catch_up.items()))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ costs it starts from are the ones measured on this machine (bench/results/README
     python bench/schedule_sim.py                       # every profile and text kind
     python bench/schedule_sim.py --profile int4 --calls 400
     python bench/schedule_sim.py --traces TRACES.json  # recorded replies instead
+    python bench/schedule_sim.py --traces bench/results/confidence-traces-s1.json --temperature 1
 """
 
 from __future__ import annotations
@@ -91,9 +92,11 @@ class Trace:
         return agree + [False] * pad, [0.0] + self.top + [0.0] * pad
 
     @classmethod
-    def read(cls, path: Path) -> list[Trace]:
+    def read(cls, path: Path, temperature: float | None = None) -> list[Trace]:
         traces = []
         for t in json.loads(path.read_text()):
+            if temperature is not None and t["temperature"] != temperature:
+                continue
             accept = t["agree"] if t["temperature"] == 0 else t["overlap"]
             traces.append(cls(t["category"], len(accept) + 1, t["max_tokens"], t["top"], accept))
         return traces
@@ -187,6 +190,7 @@ def main() -> None:
     ap.add_argument(
         "--traces", type=Path, help="replay recorded replies (confidence_agreement.py --traces)"
     )
+    ap.add_argument("--temperature", type=float, help="replay only the traces sampled at it")
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--noise", type=float, default=0.1, help="lognormal σ of each pass's time")
     ap.add_argument("--seed", type=int, default=0)
@@ -195,7 +199,7 @@ def main() -> None:
     print("profile  text   " + "  ".join(f"{str(g):>5}" for g in gammas))
     for profile in args.profile or sorted(PROFILES):
         if args.traces:
-            texts = [(t.category, t) for t in Trace.read(args.traces)]
+            texts = [(t.category, t) for t in Trace.read(args.traces, args.temperature)]
         else:
             texts = [(kind, TEXTS[kind]) for kind in args.text or TEXTS]
         result = simulate(profile, texts, gammas, args.calls, args.seed, args.noise)
