@@ -141,7 +141,7 @@ def run_call(
         g = choice.gamma if auto else gamma
         g = min(g, text.tokens - tokens - 1)
         probe = auto and choice.cost_probe
-        draft_s, passes, tops = None, None, None
+        draft_s, passes, tops, retime = None, None, None, 0.0
         clean = backlog <= 1  # the engine's rule: a long catch-up is no clean draft figure
         if g > 0:
             n = 0
@@ -154,6 +154,9 @@ def run_call(
                 passes = g - 1 + ratio(profile, backlog + 1)
                 draft_s = jitter(profile["c"] * passes)
                 tops = top[position : position + min(n + 1, g)]  # what verify reads
+            else:  # the engine re-times the draft by one pass, caught up or not
+                retime = 2 * jitter(profile["c"])  # the best of two passes
+                s.costs.observe_draft(retime / 2)
             verify_s = jitter(ratio(profile, g + 1))
             backlog = 1 if n == g and not probe else backlog + n + 1 if probe else 0
         else:
@@ -162,7 +165,7 @@ def run_call(
                 s.observe_confidence(top[position])
         if auto:
             s.record(g, n, verify_s, draft_s, passes if clean else None, tops)
-        time += verify_s + (draft_s or 0.0)
+        time += verify_s + (draft_s or 0.0) + retime
         tokens += n + 1
         position += n + 1
     return time

@@ -62,6 +62,10 @@ CONFIDENCE_WEIGHT = 2.0
 # longest look at a text's α (probe_length picks the cheapest up to it).
 FIRST_PROBE = 3
 COST_PROBE = 2  # draft length of a probe that re-measures the verify cost curve only
+# Clean draft passes timed before the draft's cost is priced: with one, a pass timed in a
+# burst of load (0.93 of T(1) where it is 0.48) priced drafting out for a whole bench run,
+# whose cost probes never time the draft again.
+DRAFT_FIGURES = 3
 FIRST_BACKOFF = 32  # plain rounds before a cost-only probe; doubles after each
 # After this many rounds with drafts in a row, one plain round re-measures T(1), to which
 # every other cost is relative (a stale T(1) would make speculation look better or worse).
@@ -160,7 +164,7 @@ class Costs:
 
     @property
     def draft_ratio(self) -> float | None:
-        return median(self.draft) if self.draft else None
+        return median(self.draft) if len(self.draft) >= DRAFT_FIGURES else None
 
     def to_json(self) -> dict:
         return {
@@ -379,8 +383,9 @@ class Scheduler:
             return Choice(best, predicted_tps=self.tps(rates[best]))
         self.rounds_since_probe += 1
         if self.hopeless(rates[0]):
-            # Even perfect drafts would lose: only T(k)'s slope is in question. Measure it
-            # now and then with free guesses, never paying for the draft model.
+            # Even perfect drafts would lose: only the costs are in question. Measure T(k)
+            # now and then with free guesses, and the draft by one pass (the engine): its
+            # catch-up on the rounds it missed would cost more than the probe learns.
             if self.rounds_since_probe < self.backoff:
                 return plain
             self.rounds_since_probe = 0

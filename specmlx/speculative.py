@@ -304,6 +304,10 @@ def _decode(
             else:  # lookup, or a cost probe's free guesses (the last token repeated)
                 draft_tokens = mx.array((found[:g] + [last] * g)[:g], mx.uint32)
                 q = None if params.greedy else point_mass(draft_tokens, vocab)
+                if source == "probe" and session.drafter and not scheduler.free_drafts:
+                    # Re-time the draft too: a figure taken in a burst of load must not
+                    # keep it out for good (these probes never run the draft otherwise).
+                    scheduler.costs.observe_draft(session.drafter.time_pass())
             mx.eval(draft_tokens, q)
             t1 = time.perf_counter()
             x = mx.concatenate([mx.array([last], mx.uint32), draft_tokens])

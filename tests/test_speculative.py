@@ -287,3 +287,39 @@ def test_auto_calibrates_on_the_targets_confidence_at_each_judged_draft(
     for tops, n in seen:
         assert 1 <= len(tops) <= 8 and n <= len(tops)
         assert all(0 < top <= 1 for top in tops)
+
+
+def test_timing_a_draft_pass_leaves_its_cache_as_it_was(no_eos):
+    session = specmlx.Session(no_eos["target"], no_eos["perturbed"])
+    drafter = session.drafter
+    drafter.prefill([1, 2, 3, 4, 5])
+    drafter.catch_up()
+    offset = drafter.cache[0].offset
+    assert drafter.time_pass() > 0
+    assert drafter.cache[0].offset == offset
+    fresh = specmlx.Session(no_eos["target"], no_eos["perturbed"]).drafter
+    fresh.prefill([1, 2, 3, 4, 5])
+    fresh.catch_up()
+    x = mx.array([[5]], mx.uint32)
+    after = drafter.model.module(x, cache=drafter.cache)
+    assert mx.allclose(after, fresh.model.module(x, cache=fresh.cache), atol=1e-5)
+
+
+def test_a_cost_probe_retimes_the_draft_so_one_bad_figure_cannot_keep_it_out(
+    no_eos, monkeypatch, tmp_path
+):
+    # Seen: draft figures timed in a burst of load priced drafting out, and the cost
+    # probes that followed never ran the draft, so nothing could correct them.
+    monkeypatch.setenv("SPECMLX_HOME", str(tmp_path))
+    session = specmlx.Session(no_eos["target"], no_eos["perturbed"])
+    costs = session.scheduler("model").costs
+    costs.plain = [0.01] * 8
+    for k in range(2, 10):
+        costs.target[k] = [1.0 + 0.1 * (k - 1)] * 3
+    costs.draft = [50.0] * 3  # a draft fifty times the target's step: hopeless
+    gen = specmlx.generate(
+        no_eos["target"], PROMPT, no_eos["perturbed"], max_tokens=40, session=session
+    )
+    gen.run()
+    assert gen.stats.rounds_by_source.get("probe", 0) >= 1
+    assert len(costs.draft) > 3 and costs.draft[-1] < 50.0
