@@ -252,7 +252,7 @@ class Acceptance:
 
     @property
     def alpha(self) -> float:
-        # no step forecasts more than certainty
+        # Each band's calibrated sum, capped at its steps: no step forecasts more than 1.
         forecast = sum(map(min, map(mul, self.calibration, self.sure), self.steps))
         accepted = self.accepted + CONFIDENCE_WEIGHT * forecast
         return accepted / (self.judged + CONFIDENCE_WEIGHT * sum(self.steps))
