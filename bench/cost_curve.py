@@ -15,27 +15,14 @@ on the target's curve.
 from __future__ import annotations
 
 import argparse
-import time
 from statistics import median
 
-import mlx.core as mx
-from mlx_lm.models.cache import trim_prompt_cache
-
 from specmlx.bench import encode
-from specmlx.drafters import prefill
+from specmlx.drafters import prefill, timed_pass
 from specmlx.kv_cache import make_cache
-from specmlx.loading import Model, load
+from specmlx.loading import load
 
 PROMPT = "Write a python function that adds two numbers and explain it."
-
-
-def timed_pass(model: Model, cache: list, tokens: list[int]) -> float:
-    """Seconds for one forward pass over `tokens`; the cache is left as it was."""
-    start = time.perf_counter()
-    mx.eval(model.module(mx.array(tokens, mx.uint32)[None], cache=cache))
-    seconds = time.perf_counter() - start
-    trim_prompt_cache(cache, len(tokens))
-    return seconds
 
 
 def main() -> None:
@@ -73,11 +60,10 @@ def main() -> None:
             for _ in range(3):
                 run("draft", 1)
             after[k].append(run("target", k))
-    t1 = median(alone[1])
-    print(f"T(1) {t1 * 1000:.0f} ms; draft pass {median(draft_pass) / t1:.2f} of T(1)")
+    t1, d1 = median(alone[1]), median(draft_pass)
+    print(f"T(1) {t1 * 1000:.0f} ms; draft pass {d1 / t1:.2f} of T(1)")
     print("alone:       " + "  ".join(f"{k}: {median(v) / t1:.2f}" for k, v in alone.items()))
     print("after drafts: " + "  ".join(f"{k}: {median(v) / t1:.2f}" for k, v in after.items()))
-    d1 = median(draft_pass)
     print("draft catch-up: " + "  ".join(f"{k}: {median(v) / d1:.2f}" for k, v in catch_up.items()))
 
 

@@ -27,6 +27,15 @@ def prefill(model: Model, cache: list, tokens: list[int], step: int = PREFILL_ST
         mx.eval([c.state for c in cache])
 
 
+def timed_pass(model: Model, cache: list, tokens: list[int]) -> float:
+    """Seconds for one forward pass over `tokens`; the cache is left as it was."""
+    start = time.perf_counter()
+    mx.eval(model.module(mx.array(tokens, mx.uint32)[None], cache=cache))
+    seconds = time.perf_counter() - start
+    trim_prompt_cache(cache, len(tokens))
+    return seconds
+
+
 def align_cache(cache: list, cached: list[int], tokens: list[int]) -> int:
     """Trim `cache` to the longest prefix of `tokens` it holds; return that length.
 
@@ -88,14 +97,8 @@ class ModelDrafter:
         """Seconds for one one-token pass, the cache left as it was: the draft's cost now,
         without taking what it missed (best of two: a process's first pass pays one-time
         work, and one pass can meet a burst of load)."""
-        token = mx.array([(self.cached or self.pending)[-1:]], mx.uint32)
-        times = []
-        for _ in range(2):
-            start = time.perf_counter()
-            mx.eval(self.model.module(token, cache=self.cache))
-            times.append(time.perf_counter() - start)
-            trim_prompt_cache(self.cache, 1)
-        return min(times)
+        token = (self.cached or self.pending)[-1:]
+        return min(timed_pass(self.model, self.cache, token) for _ in range(2))
 
     def propose(self, g: int, key: mx.array, draw) -> tuple[mx.array, mx.array | None]:
         """(g,) tokens and their (g, V) distributions, lazily (nothing is synced here).
