@@ -12,8 +12,8 @@ when sampling at T = 1). The γ policy reads the top probability as a forecast o
         bench/results/auto-vs-fixed-int4.json bench/results/lookup-summarization.json \
         --out bench/results/confidence_agreement.md [--traces TRACES.json]
 
-`--traces` keeps every position (top, agreement, overlap) for `schedule_sim.py --traces`,
-which replays the γ policy on these real replies.
+`--traces` keeps every position (top, agreement, overlap, the draft's top) for
+`schedule_sim.py --traces`, which replays the γ policy on these real replies.
 """
 
 from __future__ import annotations
@@ -29,11 +29,12 @@ from specmlx.bench import encode, read_suite
 from specmlx.loading import load
 
 BINS = (0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
-POSITIONS = ("top", "agree", "overlap")
+POSITIONS = ("top", "agree", "overlap", "draft_top")
 
 
 def positions(target, draft, prompt_ids: list[int], reply: list[int]) -> dict[str, np.ndarray]:
-    """Per reply position: the target's top probability, greedy agreement, Σ min(p, q)."""
+    """Per reply position: the target's top probability, greedy agreement, Σ min(p, q),
+    and the draft's own top probability (what a drafting round shows before the verify)."""
     x = mx.array([prompt_ids + reply[:-1]], mx.uint32)
     vocab = min(target.vocab_size, draft.vocab_size)
     start = len(prompt_ids) - 1
@@ -43,7 +44,28 @@ def positions(target, draft, prompt_ids: list[int], reply: list[int]) -> dict[st
         "top": np.array(mx.max(p, axis=-1)),
         "agree": np.array(mx.argmax(q, axis=-1)) == np.array(reply),
         "overlap": np.array(mx.sum(mx.minimum(p, q), axis=-1)),
+        "draft_top": np.array(mx.max(q, axis=-1)),
     }
+
+
+def calibration_table(at: dict[str, np.ndarray], key: str, title: str) -> str:
+    """Agreement and overlap per band of one confidence (`key`), as a markdown table."""
+    conf, agree, overlap = at[key], at["agree"], at["overlap"]
+    lines = [
+        f"| {title} | positions | mean | greedy agreement | Σ min(p, q) at T = 1 |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for lo, hi in zip(BINS[:-1], BINS[1:], strict=True):
+        m = (conf >= lo) & ((conf < hi) if hi < 1 else (conf <= hi))
+        if m.any():
+            lines.append(
+                f"| {lo:.2f}–{hi:.2f} | {m.sum()} | {conf[m].mean():.3f} | "
+                f"{agree[m].mean():.3f} | {overlap[m].mean():.3f} |"
+            )
+    lines.append(
+        f"| all | {len(conf)} | {conf.mean():.3f} | {agree.mean():.3f} | {overlap.mean():.3f} |"
+    )
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -78,24 +100,10 @@ def main() -> None:
     tables = []
     for temperature in sorted({r[2] for r in rows}):
         of_t = [r[3] for r in rows if r[2] == temperature]
-        top, agree, overlap = (np.concatenate([at[k] for at in of_t]) for k in POSITIONS)
+        at = {k: np.concatenate([a[k] for a in of_t]) for k in POSITIONS}
         replies = "greedy replies" if temperature == 0 else "replies sampled at T = 1"
-        calibration = [
-            f"| top probability ({replies}) | positions | mean top | greedy agreement "
-            f"| Σ min(p, q) at T = 1 |",
-            "| --- | --- | --- | --- | --- |",
-        ]
-        for lo, hi in zip(BINS[:-1], BINS[1:], strict=True):
-            m = (top >= lo) & ((top < hi) if hi < 1 else (top <= hi))
-            if m.any():
-                calibration.append(
-                    f"| {lo:.2f}–{hi:.2f} | {m.sum()} | {top[m].mean():.3f} | "
-                    f"{agree[m].mean():.3f} | {overlap[m].mean():.3f} |"
-                )
-        calibration.append(
-            f"| all | {len(top)} | {top.mean():.3f} | {agree.mean():.3f} | {overlap.mean():.3f} |"
-        )
-        tables.append("\n".join(calibration))
+        for whose in ("top", "draft_top"):  # the target's confidence, then the draft's
+            tables.append(calibration_table(at, whose, f"{whose.replace('_', ' ')} ({replies})"))
     replies = [
         "| reply | T | category | positions | mean top | greedy agreement | Σ min(p, q) |",
         "| --- | --- | --- | --- | --- | --- | --- |",
