@@ -55,11 +55,12 @@ class Text:
     # its reply will end (an 8-token reply looks like a 48-token one to the policy).
     max_tokens: int = 48
 
-    def agreement(self, rng: random.Random) -> tuple[list[bool], list[float]]:
-        """Whether a draft at each position would be accepted, and the target's top
-        probability there (greedy: the text decides, not the policy, so every policy is
-        replayed on the same draws)."""
-        easy, agree, top = rng.random() < 0.5, [], []
+    def agreement(self, rng: random.Random) -> tuple[list[bool], list[float], list[float]]:
+        """Whether a draft at each position would be accepted, and the target's and the
+        draft's top probability there (greedy: the text decides, not the policy, so every
+        policy is replayed on the same draws). The draft's top is read as the target's,
+        with noise of its own."""
+        easy, agree, top, draft_top = rng.random() < 0.5, [], [], []
         bias = rng.gauss(-0.2, 0.4)
         for position in range(self.tokens + 16):
             if self.swing and rng.random() < self.switch:
@@ -68,7 +69,8 @@ class Text:
             a = self.opening_alpha if position < self.opening else a
             agree.append(rng.random() < a)
             top.append(1 / (1 + math.exp(-(logit(a) + bias + rng.gauss(0, 0.5)))))
-        return agree, top
+            draft_top.append(1 / (1 + math.exp(-(logit(a) + bias + rng.gauss(0, 0.5)))))
+        return agree, top, draft_top
 
 
 @dataclass
@@ -85,11 +87,12 @@ class Trace:
     max_tokens: int
     top: list[float]
     accept: list[float]
+    draft_top: list[float]
 
-    def agreement(self, rng: random.Random) -> tuple[list[bool], list[float]]:
+    def agreement(self, rng: random.Random) -> tuple[list[bool], list[float], list[float]]:
         agree = [rng.random() < Text.opening_alpha] + [rng.random() < a for a in self.accept]
-        pad = self.tokens + 16 - len(agree)
-        return agree + [False] * pad, [0.0] + self.top + [0.0] * pad
+        pad = [0.0] * (self.tokens + 16 - len(agree))
+        return [*agree, *map(bool, pad)], [0.0, *self.top, *pad], [0.0, *self.draft_top, *pad]
 
     @classmethod
     def read(cls, path: Path, temperature: float | None = None) -> list[Trace]:
@@ -98,7 +101,8 @@ class Trace:
             if temperature is not None and t["temperature"] != temperature:
                 continue
             accept = t["agree"] if t["temperature"] == 0 else t["overlap"]
-            traces.append(cls(t["category"], len(accept) + 1, t["max_tokens"], t["top"], accept))
+            fields = t["category"], len(accept) + 1, t["max_tokens"], t["top"], accept
+            traces.append(cls(*fields, t["draft_top"]))
         return traces
 
 
@@ -119,11 +123,18 @@ def ratio(profile: dict, k: int) -> float:
 
 
 def run_call(
-    profile: dict, text: Text | Trace, gamma, state: dict, rng: random.Random, noise: float
+    profile: dict,
+    text: Text | Trace,
+    gamma,
+    state: dict,
+    rng: random.Random,
+    noise: float,
+    stop: bool = True,
 ) -> float:
     """One generate() call; returns its decode time in T(1)s. `state` carries what a
-    Session leaves behind between calls (the cached costs and acceptance)."""
-    agree, top = text.agreement(rng)
+    Session leaves behind between calls (the cached costs and acceptance). `stop`: auto's
+    rounds end early where the draft turns unsure (Scheduler.keep_drafting)."""
+    agree, top, draft_top = text.agreement(rng)
     timing = random.Random(rng.random())  # the policy's own draws leave the texts alone
 
     def jitter(x: float) -> float:
@@ -141,8 +152,13 @@ def run_call(
         g = choice.gamma if auto else gamma
         g = min(g, text.tokens - tokens - 1)
         probe = auto and choice.cost_probe
-        draft_s, passes, tops, retime = None, None, None, 0.0
+        draft_s, passes, tops, draft_tops, retime = None, None, None, None, 0.0
         clean = backlog <= 1  # the engine's rule: a long catch-up is no clean draft figure
+        if auto and stop and g > 1 and not probe:
+            made = 1  # as the engine: the draft's top after each pass decides on the next
+            while made < g and s.keep_drafting(draft_top[position : position + made]):
+                made += 1
+            g = made
         if g > 0:
             n = 0
             while n < g and not probe and agree[position + n]:
@@ -154,6 +170,7 @@ def run_call(
                 passes = g - 1 + ratio(profile, backlog + 1)
                 draft_s = jitter(profile["c"] * passes)
                 tops = top[position : position + min(n + 1, g)]  # what verify reads
+                draft_tops = draft_top[position : position + min(n + 1, g)]
             else:  # the engine re-times the draft by one pass, caught up or not
                 retime = 2 * jitter(profile["c"])  # the best of two passes
                 s.costs.observe_draft(retime / 2)
@@ -164,14 +181,16 @@ def run_call(
             if auto and position > 0:  # as the engine: the reply's first token is no sign
                 s.observe_confidence(top[position])
         if auto:
-            s.record(g, n, verify_s, draft_s, passes if clean else None, tops)
+            s.record(g, n, verify_s, draft_s, passes if clean else None, tops, draft_tops)
         time += verify_s + (draft_s or 0.0) + retime
         tokens += n + 1
         position += n + 1
     return time
 
 
-def simulate(profile: str, texts: list, gammas, calls: int, seed: int, noise: float):
+def simulate(
+    profile: str, texts: list, gammas, calls: int, seed: int, noise: float, stop: bool = True
+):
     """Speedup over plain decoding (ratio of mean decode times) of each γ, per kind of
     text (a Text's name, a Trace's category), the calls taking the texts in turn (as the
     bench takes categories round-robin)."""
@@ -181,7 +200,7 @@ def simulate(profile: str, texts: list, gammas, calls: int, seed: int, noise: fl
         state: dict = {}
         for i in range(calls):
             kind, text = texts[i % len(texts)]
-            t = run_call(PROFILES[profile], text, gamma, state, rng, noise)
+            t = run_call(PROFILES[profile], text, gamma, state, rng, noise, stop)
             times.setdefault(kind, {}).setdefault(gamma, []).append(t)
     return {kind: {g: mean(by[0]) / mean(ts) for g, ts in by.items()} for kind, by in times.items()}
 
@@ -197,6 +216,9 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--noise", type=float, default=0.1, help="lognormal σ of each pass's time")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--no-stop", action="store_true", help="auto's rounds run their whole γ, however unsure"
+    )
     args = ap.parse_args()
     gammas = [0, "auto", 1, 2, 3, 4, 6, 8]
     print("profile  text   " + "  ".join(f"{str(g):>5}" for g in gammas))
@@ -205,7 +227,9 @@ def main() -> None:
             texts = [(t.category, t) for t in Trace.read(args.traces, args.temperature)]
         else:
             texts = [(kind, TEXTS[kind]) for kind in args.text or TEXTS]
-        result = simulate(profile, texts, gammas, args.calls, args.seed, args.noise)
+        result = simulate(
+            profile, texts, gammas, args.calls, args.seed, args.noise, not args.no_stop
+        )
         for kind, r in result.items():
             print(f"{profile:8} {kind:6} " + "  ".join(f"{r[g]:5.2f}" for g in gammas))
 

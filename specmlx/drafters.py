@@ -100,11 +100,14 @@ class ModelDrafter:
         token = (self.cached or self.pending)[-1:]
         return min(timed_pass(self.model, self.cache, token) for _ in range(2))
 
-    def propose(self, g: int, key: mx.array, draw) -> tuple[mx.array, mx.array | None]:
+    def propose(self, g: int, key: mx.array, draw, go_on=None) -> tuple[mx.array, mx.array | None]:
         """(g,) tokens and their (g, V) distributions, lazily (nothing is synced here).
 
         `draw(logits, key) -> (probs, token)` is the compiled sampler for this call; its
         probs are None at temperature 0, and so is the second array returned.
+        `go_on(logits, probs) -> bool`, when given, is shown each draft as it is made
+        (which syncs every pass) and ends the proposal early by returning False: then
+        fewer than g tokens come back. It sees the last draft too.
         """
         self.proposals += 1
         self.backlog = len(self.pending) - 1
@@ -121,6 +124,8 @@ class ModelDrafter:
             mx.async_eval(x)
             tokens.append(x)
             qs.append(q)
+            if go_on is not None and not go_on(logits, q):
+                break
         self.pending = []
         return mx.concatenate(tokens), None if qs[0] is None else mx.concatenate(qs)
 

@@ -26,6 +26,13 @@ where the cost curve is flat. A model draft that sat out must first catch up on 
 token it missed: cheap where a pass over many tokens costs about one (a fast BLAS, a
 GPU), several target passes where it does not, so how often it looks follows the cost
 curve. bench/schedule_sim.py replays this policy on synthetic texts.
+
+Within a round the draft's own confidence decides how far it goes: after each draft
+pass, the next draft is made only while its expected yield (the chance that every draft
+so far passes, forecast from the draft's top probabilities, times the next one's α)
+beats plain decoding's for the pass and the verified token it adds. A round that meets
+an unsure draft ends there instead of paying for guesses that will not pass. The stop
+reads only the draft's side, so the output's distribution is unchanged.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from functools import cached_property
+from math import prod
 from operator import mul
 from pathlib import Path
 from statistics import median
@@ -79,6 +87,7 @@ BANDS = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
 # calibration), and the weight its old drafts keep per new one judged in the band.
 CALIBRATION_PRIOR = 8.0
 CALIBRATION_DECAY = 0.98
+TARGET, DRAFT = "", " draft"  # whose top probability a calibration maps (Costs.calibration)
 # A look at acceptance that the forecast does not call for may cost at most this share
 # of the plain rounds since the last (forecast: the draft's catch-up plus the round, less
 # the tokens it yields).
@@ -115,8 +124,9 @@ class Costs:
     target: dict[int, list[float]] = field(default_factory=dict)  # k ≥ 2 -> T(k)/T(1) seen
     draft: list[float] = field(default_factory=list)  # draft pass / T(1) seen
     cached_t1: float | None = None
-    # How the target's top probability maps to acceptance for this pair, per sampling
-    # ("greedy" or "sampled") and per band of BANDS: [drafts accepted, their top
+    # How a top probability maps to acceptance for this pair, per sampling ("greedy" or
+    # "sampled") and whose top it is (the target's at a plain step or in the verify; the
+    # draft's, " draft" appended), per band of BANDS: [drafts accepted, their top
     # probabilities summed], decayed. Kept with the costs, across calls and runs: a call
     # that starts from no evidence rarely drafts at T = 1 and so never learns it (a
     # Session per call: auto 1.03x on sampled code where γ = 4 gained 1.19x).
@@ -317,6 +327,8 @@ class Scheduler:
     # about as often as the target is sure; at T = 1 more often where it is unsure (a
     # close draft is unsure the same way); a weak draft would pass less often.
     sampling: str = "greedy"
+    # Tokens per T(1) that a draft must add to go on within a round (keep_drafting).
+    draft_bar: float = 1.0
 
     def start_call(self, sampled: bool = False) -> None:
         """A new generate() call: a new text, whose acceptance is learnt afresh (a question
@@ -380,6 +392,7 @@ class Scheduler:
                 return plain
             self.rounds_since_probe = 0
             self.backoff = FIRST_BACKOFF
+            self.draft_bar = rates[0]
             return Choice(best, predicted_tps=self.tps(rates[best]))
         self.rounds_since_probe += 1
         if self.hopeless(rates[0]):
@@ -398,6 +411,7 @@ class Scheduler:
         if self.probe_loss(g, backlog) > EXPLORE * backlog:
             return plain
         self.rounds_since_probe = 0
+        self.draft_bar = rates[0]
         return Choice(g, predicted_tps=self.tps(rates[0]))
 
     def pays(self, plain: float, best: float, need: float, remaining: int | None) -> bool:
@@ -450,51 +464,74 @@ class Scheduler:
         draft_s: float | None,
         passes: float | None,
         tops: list[float] | None = None,
+        draft_tops: list[float] | None = None,
     ) -> None:
         """A finished round: g drafts, n accepted; draft_s None for a cost-only probe;
         passes: one-token draft passes that draft_s stands for (None: not a clean figure);
-        tops: the target's top probability at each draft it judged (min(n + 1, g) of them)."""
+        tops, draft_tops: the target's and the draft's top probability at each draft the
+        target judged (min(n + 1, g) of them)."""
         self.costs.observe_target(g + 1, verify_s)
         self.drafting = self.drafting + 1 if g > 0 else 0
         if g > 0 and draft_s is not None:
             if tops and not self.free_drafts:
                 self.calibrate(tops, n)
+            if draft_tops and not self.free_drafts:
+                self.calibrate(draft_tops, n, DRAFT)
             self.acceptance.observe(g, n)
             if not self.free_drafts and passes:
                 self.costs.observe_draft(draft_s / passes)
 
-    def calibrate(self, tops: list[float], n: int) -> None:
+    def calibrate(self, tops: list[float], n: int, whose: str = TARGET) -> None:
         """Teach the calibration what the target's confidence said at each judged draft
         and whether it passed (the first n did). Read at the draft itself, from the
         verify pass: a forecast from the plain steps before a round would be stale, and
         learnt only where drafting had started, it read low (rounds start where the
         forecast happened to be high: 0.99 learnt at T = 1, where the band figures run
-        0.92-2.1)."""
+        0.92-2.1). `whose`: the target's tops, or the draft's (DRAFT)."""
         bands = self.costs.calibration.setdefault(
-            self.sampling, [[0.0, 0.0] for _ in range(len(BANDS) + 1)]
+            self.sampling + whose, [[0.0, 0.0] for _ in range(len(BANDS) + 1)]
         )
         for i, top in enumerate(tops):
             counts = bands[band(top)]
             counts[0] = CALIBRATION_DECAY * counts[0] + (i < n)
             counts[1] = CALIBRATION_DECAY * counts[1] + top
-        self.acceptance.calibration = self.calibration
+        if whose == TARGET:
+            self.acceptance.calibration = self.calibration
 
     @property
     def calibration(self) -> list[float]:
-        """Per band: drafts accepted per unit of top probability, for this call's
-        sampling, from CALIBRATION_PRIOR drafts' worth at 1 (greedy, the top is
+        """Per band: drafts accepted per unit of the target's top probability, for this
+        call's sampling, from CALIBRATION_PRIOR drafts' worth at 1 (greedy, the top is
         calibrated as it is: confidence_agreement.md)."""
+        return self.factors(TARGET)
+
+    def factors(self, whose: str) -> list[float]:
+        """Per band: drafts accepted per unit of `whose` top probability (see calibration)."""
         edges = (0.0, *BANDS, 1.0)
-        bands = self.costs.calibration.get(self.sampling) or [(0.0, 0.0)] * (len(BANDS) + 1)
+        bands = self.costs.calibration.get(self.sampling + whose)
         factors = []
-        for b, (accepted, tops) in enumerate(bands):
+        for b, (accepted, tops) in enumerate(bands or [(0.0, 0.0)] * (len(BANDS) + 1)):
             prior = CALIBRATION_PRIOR * (edges[b] + edges[b + 1]) / 2
             factors.append((accepted + prior) / (tops + prior))
         return factors
 
-    def forecast(self, top: float) -> float:
-        """The chance that a draft passes where the target's top probability is `top`."""
-        return min(1.0, top * self.calibration[band(top)])
+    def forecast(self, top: float, whose: str = TARGET) -> float:
+        """The chance that a draft passes where `whose` top probability is `top`."""
+        return min(1.0, top * self.factors(whose)[band(top)])
+
+    def keep_drafting(self, draft_tops: list[float]) -> bool:
+        """Whether the draft should make one more token this round, given its top
+        probability at each of the round's drafts so far. The next draft adds a draft
+        pass and a verified token; it yields a token only if every draft before it passes
+        (forecast from the draft's tops: a sure draft is seldom wrong, an unsure one
+        often) and it passes too (its position's α). It goes on while that yield beats
+        plain decoding's for the same time: a round whose drafts turn unsure stops there,
+        where on this CPU's INT4 kernel three drafts that do not pass cost two plain steps."""
+        i = len(draft_tops)
+        chance = prod(self.forecast(top, DRAFT) for top in draft_tops)
+        alpha = self.acceptance.by_position(i + 1)[i]
+        verify = (self.costs.ratio(i + 2) or i + 2) - (self.costs.ratio(i + 1) or i + 1)
+        return chance * alpha >= self.draft_bar * ((self.draft_ratio or 0.0) + verify)
 
     def observe_confidence(self, top: float) -> None:
         """A plain step's top target probability: a forecast of this text's α."""

@@ -288,6 +288,7 @@ def _decode(
         g = min(g, max_tokens - stats.tokens - 1) if speculate else 0
         caught_up = False  # this round's draft time includes tokens decoded before it
         tops = None  # the target's top probability at each judged model draft (auto)
+        draft_tops: list[float] = []  # the draft's own, at each of its drafts (auto)
         if g > 0:
             draft_key, verify_key = mx.random.split(round_key)
             if source == "model":
@@ -300,7 +301,10 @@ def _decode(
                     stats.prefill_time += moved
                     not_decode += moved
                     t0 += moved
-                draft_tokens, q = model_drafter.propose(g, draft_key, draw)
+                # auto: the draft's own confidence may end the round early
+                go_on = _stop_rule(scheduler, draft_tops, vocab, scratch) if scheduler else None
+                draft_tokens, q = model_drafter.propose(g, draft_key, draw, go_on)
+                g = draft_tokens.shape[0]
             else:  # lookup, or a cost probe's free guesses (the last token repeated)
                 draft_tokens = mx.array((found[:g] + [last] * g)[:g], mx.uint32)
                 q = None if params.greedy else point_mass(draft_tokens, vocab)
@@ -344,7 +348,8 @@ def _decode(
         if scheduler is not None:
             draft_s = None if source == "probe" else t1 - t0
             passes = None if caught_up else _draft_passes(source, g, model_drafter, scheduler)
-            scheduler.record(g, n, t2 - t1, draft_s, passes, tops)
+            judged = draft_tops[: min(n + 1, g)]
+            scheduler.record(g, n, t2 - t1, draft_s, passes, tops, judged)
         cached += [last] + drafts[:n]
         block = drafts[:n] + [token]
         if model_drafter is not None and source == "model":
@@ -408,6 +413,17 @@ def _plan_round(
     if source == "lookup":
         return source, len(found[: choice.gamma]), scheduler, found
     return source, choice.gamma, scheduler, found
+
+
+def _stop_rule(scheduler: Scheduler, draft_tops: list[float], vocab: int, scratch: np.ndarray):
+    """An auto round's `go_on` for ModelDrafter.propose: keeps the draft's top probability
+    at each draft in `draft_tops` and asks the scheduler whether to make another."""
+
+    def go_on(logits: mx.array, probs: mx.array | None) -> bool:
+        draft_tops.append(top_probability(logits, probs, vocab, scratch))
+        return scheduler.keep_drafting(draft_tops)
+
+    return go_on
 
 
 def _draft_passes(

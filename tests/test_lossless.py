@@ -41,7 +41,10 @@ def exact_joint(target, settings, prompt=PROMPT) -> np.ndarray:
     return np.array(p1[:, None] * p2)
 
 
-def sampled_pairs(target, draft, settings, gamma=2, prompt=PROMPT, **kw) -> np.ndarray:
+def sampled_pairs(
+    target, draft, settings, gamma=2, prompt=PROMPT, max_tokens=2, **kw
+) -> np.ndarray:
+    """Counts of the first two tokens over S seeded generations of `max_tokens` each."""
     counts = np.zeros((target.vocab_size, target.vocab_size))
     session = specmlx.Session(target, draft)
     for seed in range(S):
@@ -50,13 +53,13 @@ def sampled_pairs(target, draft, settings, gamma=2, prompt=PROMPT, **kw) -> np.n
             prompt,
             draft=draft,
             num_draft=gamma,
-            max_tokens=2,
+            max_tokens=max_tokens,
             seed=seed,
             session=session,
             **settings,
             **kw,
         )
-        a, b = gen.run().tokens
+        a, b = gen.run().tokens[:2]
         counts[a, b] += 1
     return counts
 
@@ -92,6 +95,28 @@ def test_prompt_lookup_drafts_keep_the_target_distribution(no_eos):
     target, settings, prompt = no_eos["target"], SETTINGS["T=1.0"], [5, 17, 42, 5, 17]
     counts = sampled_pairs(target, None, settings, prompt=prompt, draft_mode="lookup")
     assert chi_square_pvalue(counts, exact_joint(target, settings, prompt)) > ALPHA
+
+
+def test_rounds_the_drafts_confidence_ends_early_keep_the_target_distribution(no_eos, monkeypatch):
+    # auto's stop rule ends a proposal where the draft turns unsure, so its length
+    # depends on the draft's own samples. Forced here: every round asks for 3 drafts and
+    # stops after the second whenever the draft's top probability there (which depends
+    # on the first draft's sample) is below 0.18, about half the time on this pair.
+    from specmlx.schedule import Choice, Scheduler
+
+    stops = []
+
+    def keep_drafting(s, tops):
+        if len(tops) == 2:
+            stops.append(tops[-1] < 0.18)
+        return len(tops) < 2 or tops[-1] >= 0.18
+
+    monkeypatch.setattr(Scheduler, "choose", lambda s, remaining=None: Choice(3))
+    monkeypatch.setattr(Scheduler, "keep_drafting", keep_drafting)
+    target, settings = no_eos["target"], SETTINGS["T=1.0"]
+    counts = sampled_pairs(target, no_eos["perturbed"], settings, gamma="auto", max_tokens=4)
+    assert 0.2 < np.mean(stops) < 0.8  # both lengths were verified, many times each
+    assert chi_square_pvalue(counts, exact_joint(target, settings)) > ALPHA
 
 
 def test_the_check_rejects_a_sampler_that_trusts_the_draft(no_eos, monkeypatch):

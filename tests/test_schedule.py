@@ -501,3 +501,32 @@ def test_calibration_reads_the_confidence_at_the_drafts_not_before_the_round():
     assert s.forecast(0.995) == pytest.approx(0.995, abs=0.002)  # as sure as it said
     assert s.forecast(0.6) < 0.6
     assert s.forecast(0.92) == 0.92  # the band of the plain steps learnt nothing
+
+
+def test_a_round_goes_on_while_the_draft_is_sure_and_stops_where_it_is_not():
+    # On this CPU's INT4 kernel one more draft costs a draft pass and a verified token,
+    # 0.74 of a plain step: worth it only if the drafts so far are likely to pass.
+    s = warmed(**THIS_CPU, alpha=0.95)
+    assert s.choose().gamma >= 2
+    assert s.keep_drafting([0.999]) and s.keep_drafting([0.999, 0.995])
+    assert not s.keep_drafting([0.3])
+    assert not s.keep_drafting([0.999, 0.3])
+
+
+def test_where_verifying_is_nearly_free_an_unsure_draft_still_goes_on():
+    s = warmed(lambda k: 1 + 0.02 * (k - 1), draft_ratio=0.1, alpha=0.95)
+    assert s.choose().gamma >= 2
+    assert s.keep_drafting([0.3])
+
+
+def test_the_drafts_confidence_is_calibrated_apart_from_the_targets():
+    # Greedy, where the draft is 0.4 sure its argmax is the target's 0.62 of the time
+    # (bench/results/confidence_agreement.md): learnt from the drafts the target judged.
+    s = warmed(**THIS_CPU, alpha=0.9)
+    for _ in range(40):
+        s.record(2, 1, T1 * 1.3, 0.45 * T1 * 2, passes=2, tops=[0.4, 0.4], draft_tops=[0.4, 0.4])
+    assert s.forecast(0.4, schedule.DRAFT) == pytest.approx(0.5, abs=0.05)
+    assert s.forecast(0.4) == pytest.approx(0.5, abs=0.05)
+    s.record(2, 2, T1 * 1.3, 0.45 * T1 * 2, passes=2, tops=[0.4, 0.4], draft_tops=[0.95] * 2)
+    assert s.forecast(0.95, schedule.DRAFT) > 0.95
+    assert s.forecast(0.95) == 0.95  # the target's 0.95 band saw nothing

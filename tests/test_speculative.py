@@ -277,7 +277,11 @@ def test_auto_calibrates_on_the_targets_confidence_at_each_judged_draft(
     seen = []
     calibrate = Scheduler.calibrate
     monkeypatch.setattr(
-        Scheduler, "calibrate", lambda s, tops, n: seen.append((tops, n)) or calibrate(s, tops, n)
+        Scheduler,
+        "calibrate",
+        lambda s, tops, n, whose="": (
+            (whose or seen.append((tops, n))) or calibrate(s, tops, n, whose)
+        ),
     )
     gen = specmlx.generate(
         no_eos["target"], PROMPT, no_eos["perturbed"], max_tokens=24, temperature=temperature
@@ -323,3 +327,49 @@ def test_a_cost_probe_retimes_the_draft_so_one_bad_figure_cannot_keep_it_out(
     gen.run()
     assert gen.stats.rounds_by_source.get("probe", 0) >= 1
     assert len(costs.draft) > 3 and costs.draft[-1] < 50.0
+
+
+def test_auto_ends_a_round_where_the_draft_turns_unsure_and_stays_exact(
+    no_eos, monkeypatch, tmp_path
+):
+    # The stop reads the draft's side only: greedy output is still the target's own.
+    from specmlx.schedule import Scheduler
+
+    monkeypatch.setenv("SPECMLX_HOME", str(tmp_path))  # no costs yet: the first rounds draft
+    monkeypatch.setattr(Scheduler, "keep_drafting", lambda s, draft_tops: False)
+    target, draft = no_eos["target"], no_eos["perturbed"]
+    gen = specmlx.generate(target, PROMPT, draft, max_tokens=24)
+    gen.run()
+    rounds = gen.stats.rounds_by_source.get("model", 0)
+    assert rounds > 0 and gen.stats.drafted == rounds  # one draft each, whatever γ was chosen
+    assert gen.tokens == tokens(target, max_tokens=24)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_auto_shows_the_stop_rule_and_the_calibration_the_drafts_own_confidence(
+    no_eos, monkeypatch, tmp_path, temperature
+):
+    # After each draft the stop rule sees the draft's top probability at every draft so
+    # far; the calibration then learns from those the target judged.
+    from specmlx.schedule import Scheduler
+
+    monkeypatch.setenv("SPECMLX_HOME", str(tmp_path))
+    asked, recorded = [], []
+    record = Scheduler.record
+
+    def spy(s, g, n, verify_s, draft_s, passes, tops=None, draft_tops=None):
+        if g > 0 and draft_s is not None:  # a model round (not a cost probe)
+            recorded.append((g, n, draft_tops))
+        return record(s, g, n, verify_s, draft_s, passes, tops, draft_tops)
+
+    monkeypatch.setattr(
+        Scheduler, "keep_drafting", lambda s, tops: asked.append(list(tops)) or True
+    )
+    monkeypatch.setattr(Scheduler, "record", spy)
+    gen = specmlx.generate(
+        no_eos["target"], PROMPT, no_eos["perturbed"], max_tokens=24, temperature=temperature
+    )
+    gen.run()
+    assert asked and all(0 < top <= 1 for tops in asked for top in tops)
+    assert [len(tops) for tops in asked[:3]] == [1, 2, 3]  # one more each pass of a round
+    assert recorded and all(len(tops) == min(n + 1, g) for g, n, tops in recorded)
