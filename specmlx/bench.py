@@ -684,6 +684,8 @@ def summarize(records: list[RunRecord]) -> list[dict]:
                 "rounds_by_gamma": _merge_counts(
                     (r.engine_stats or {}).get("rounds_by_gamma") for r in rs
                 ),
+                # of those, rounds the draft's own confidence ended early (auto)
+                "cut_short": sum((r.engine_stats or {}).get("cut_short", 0) for r in rs),
             }
         )
     return rows

@@ -327,8 +327,6 @@ class Scheduler:
     # about as often as the target is sure; at T = 1 more often where it is unsure (a
     # close draft is unsure the same way); a weak draft would pass less often.
     sampling: str = "greedy"
-    # Tokens per T(1) that a draft must add to go on within a round (keep_drafting).
-    draft_bar: float = 1.0
 
     def start_call(self, sampled: bool = False) -> None:
         """A new generate() call: a new text, whose acceptance is learnt afresh (a question
@@ -392,7 +390,6 @@ class Scheduler:
                 return plain
             self.rounds_since_probe = 0
             self.backoff = FIRST_BACKOFF
-            self.draft_bar = rates[0]
             return Choice(best, predicted_tps=self.tps(rates[best]))
         self.rounds_since_probe += 1
         if self.hopeless(rates[0]):
@@ -411,7 +408,6 @@ class Scheduler:
         if self.probe_loss(g, backlog) > EXPLORE * backlog:
             return plain
         self.rounds_since_probe = 0
-        self.draft_bar = rates[0]
         return Choice(g, predicted_tps=self.tps(rates[0]))
 
     def pays(self, plain: float, best: float, need: float, remaining: int | None) -> bool:
@@ -531,7 +527,8 @@ class Scheduler:
         chance = prod(self.forecast(top, DRAFT) for top in draft_tops)
         alpha = self.acceptance.by_position(i + 1)[i]
         verify = (self.costs.ratio(i + 2) or i + 2) - (self.costs.ratio(i + 1) or i + 1)
-        return chance * alpha >= self.draft_bar * ((self.draft_ratio or 0.0) + verify)
+        # Plain decoding yields one token per T(1), the unit of every cost here.
+        return chance * alpha >= (self.draft_ratio or 0.0) + verify
 
     def observe_confidence(self, top: float) -> None:
         """A plain step's top target probability: a forecast of this text's α."""

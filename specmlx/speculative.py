@@ -45,6 +45,7 @@ class Stats:
     draft_mode: str = "model"
     rounds_by_gamma: dict[int, int] = field(default_factory=dict)  # the γ actually used
     rounds_by_source: dict[str, int] = field(default_factory=dict)  # model/lookup/probe/plain
+    cut_short: int = 0  # auto rounds the draft's own confidence ended before the γ chosen
     predicted_tps: float = 0.0  # the cost model's forecast for its last choice (auto only)
     prefill_time: float = 0.0  # both models' prompt processing (the draft's too), seconds
     draft_time: float = 0.0
@@ -304,6 +305,7 @@ def _decode(
                 # auto: the draft's own confidence may end the round early
                 go_on = _stop_rule(scheduler, draft_tops, vocab, scratch) if scheduler else None
                 draft_tokens, q = model_drafter.propose(g, draft_key, draw, go_on)
+                stats.cut_short += draft_tokens.shape[0] < g
                 g = draft_tokens.shape[0]
             else:  # lookup, or a cost probe's free guesses (the last token repeated)
                 draft_tokens = mx.array((found[:g] + [last] * g)[:g], mx.uint32)

@@ -74,6 +74,15 @@ def test_text_mode_reports_cold_start_and_stats(pair, home):
     assert "tok/s" in run.stderr and "TTFT" in run.stderr and "peak memory" in run.stderr
 
 
+def test_the_stats_line_shows_autos_usual_gamma_and_the_rounds_cut_short():
+    from specmlx.cli.report import stats_line
+    from specmlx.speculative import Stats
+
+    stats = Stats(tokens=10, target_passes=5, drafted=6, accepted=4, gamma="auto")
+    stats.rounds_by_gamma, stats.cut_short = {0: 1, 3: 2, 1: 1}, 1
+    assert "γ auto→3 (1 cut short)" in stats_line(stats)
+
+
 def test_the_prompt_may_be_a_plain_argument(pair, home):
     args = [*pair, "-n", "4", "-g", "2", "--json"]
     as_flag = specmlx("generate", "-p", "def f(x):", *args, tmp_home=home)

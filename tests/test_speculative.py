@@ -342,6 +342,7 @@ def test_auto_ends_a_round_where_the_draft_turns_unsure_and_stays_exact(
     gen.run()
     rounds = gen.stats.rounds_by_source.get("model", 0)
     assert rounds > 0 and gen.stats.drafted == rounds  # one draft each, whatever γ was chosen
+    assert 0 < gen.stats.cut_short <= rounds  # the first rounds ask for 3: shown as cut
     assert gen.tokens == tokens(target, max_tokens=24)
 
 

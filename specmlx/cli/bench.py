@@ -109,6 +109,8 @@ def render(result: dict, console: Console) -> None:
     for row in rows:
         if row["gamma"] == "auto" and row["category"] == "all" and row["rounds_by_gamma"]:
             used = ", ".join(f"γ={g}: {n}" for g, n in row["rounds_by_gamma"].items())
+            if row.get("cut_short"):  # results from before the stop rule have none
+                used += f" ({row['cut_short']} cut short by the draft's confidence)"
             console.print(f"{row['mode']} at T={row['temperature']:g}, rounds by γ: {used}")
     divergent = [r for r in result["runs"] if r["matches_target"] is False]
     for r in divergent:

@@ -112,10 +112,12 @@ def cpu_tag(target) -> str:
 
 
 def gamma_shown(stats) -> str:
-    """γ as asked; for auto, also the γ its rounds used most."""
+    """γ as asked; for auto, also the γ its rounds used most, and how many rounds the
+    draft's own confidence cut short."""
     used = stats.rounds_by_gamma
     if stats.gamma == "auto" and used:
-        return f"auto→{max(used, key=used.get)}"
+        cut = f" ({stats.cut_short} cut short)" if stats.cut_short else ""
+        return f"auto→{max(used, key=used.get)}{cut}"
     return str(stats.gamma)
 
 
