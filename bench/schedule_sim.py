@@ -54,6 +54,7 @@ class Text:
     # The call's max_tokens, as in the bench's -n 48: a call knows this bound, not where
     # its reply will end (an 8-token reply looks like a 48-token one to the policy).
     max_tokens: int = 48
+    sampled: bool = False  # greedy: the policy reads its greedy calibration
 
     def agreement(self, rng: random.Random) -> tuple[list[bool], list[float], list[float]]:
         """Whether a draft at each position would be accepted, and the target's and the
@@ -88,6 +89,7 @@ class Trace:
     top: list[float]
     accept: list[float]
     draft_top: list[float]
+    sampled: bool  # a reply sampled at T = 1: the policy reads its sampled calibration
 
     def agreement(self, rng: random.Random) -> tuple[list[bool], list[float], list[float]]:
         agree = [rng.random() < Text.opening_alpha] + [rng.random() < a for a in self.accept]
@@ -102,7 +104,7 @@ class Trace:
                 continue
             accept = t["agree"] if t["temperature"] == 0 else t["overlap"]
             fields = t["category"], len(accept) + 1, t["max_tokens"], t["top"], accept
-            traces.append(cls(*fields, t["draft_top"]))
+            traces.append(cls(*fields, t["draft_top"], t["temperature"] > 0))
         return traces
 
 
@@ -144,7 +146,7 @@ def run_call(
     if auto:
         # One process: each call's Session goes on from the last one's costs.
         s = state.setdefault("scheduler", Scheduler(Costs(cached_t1=1.0)))
-        s.start_call()
+        s.start_call(sampled=text.sampled)
     tokens, time, backlog, position = 0, 0.0, 0, 0
     prompt_pending = True  # the draft's prompt pass is charged to prefill, not decode
     while tokens < text.tokens:
