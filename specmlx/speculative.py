@@ -303,7 +303,9 @@ def _decode(
                     not_decode += moved
                     t0 += moved
                 # auto: the draft's own confidence may end the round early
-                go_on = _stop_rule(scheduler, draft_tops, vocab, scratch) if scheduler else None
+                go_on = (
+                    None if scheduler is None else _stop_rule(scheduler, draft_tops, vocab, scratch)
+                )
                 draft_tokens, q = model_drafter.propose(g, draft_key, draw, go_on)
                 stats.cut_short += draft_tokens.shape[0] < g
                 g = draft_tokens.shape[0]
