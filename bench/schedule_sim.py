@@ -63,14 +63,18 @@ class Text:
         with noise of its own."""
         easy, agree, top, draft_top = rng.random() < 0.5, [], [], []
         bias = rng.gauss(-0.2, 0.4)
+
+        def confidence(a: float) -> float:  # a noisy read of the chance of agreement
+            return 1 / (1 + math.exp(-(logit(a) + bias + rng.gauss(0, 0.5))))
+
         for position in range(self.tokens + 16):
             if self.swing and rng.random() < self.switch:
                 easy = not easy
             a = self.alpha + (self.swing if easy else -self.swing)
             a = self.opening_alpha if position < self.opening else a
             agree.append(rng.random() < a)
-            top.append(1 / (1 + math.exp(-(logit(a) + bias + rng.gauss(0, 0.5)))))
-            draft_top.append(1 / (1 + math.exp(-(logit(a) + bias + rng.gauss(0, 0.5)))))
+            top.append(confidence(a))
+            draft_top.append(confidence(a))
         return agree, top, draft_top
 
 

@@ -101,7 +101,8 @@ class ModelDrafter:
         return min(timed_pass(self.model, self.cache, token) for _ in range(2))
 
     def propose(self, g: int, key: mx.array, draw, go_on=None) -> tuple[mx.array, mx.array | None]:
-        """(g,) tokens and their (g, V) distributions, lazily (nothing is synced here).
+        """(g,) tokens and their (g, V) distributions, lazily (nothing is synced here
+        unless `go_on` is given).
 
         `draw(logits, key) -> (probs, token)` is the compiled sampler for this call; its
         probs are None at temperature 0, and so is the second array returned.
