@@ -56,6 +56,36 @@ def probabilities(logits: mx.array, params: SamplingParams) -> mx.array:
     return probs
 
 
+# Tokens per block of sample()'s two-stage inverse CDF.
+BLOCK = 256
+
+
 def sample(probs: mx.array, key: mx.array) -> mx.array:
-    """One token id per row of `probs` (zeros are never drawn)."""
-    return mx.random.categorical(mx.log(probs), key=key).astype(mx.uint32)
+    """One token id per row of `probs` (..., V), drawn from the row normalised; a token of
+    probability zero is never drawn.
+
+    By inverse CDF, one uniform draw per stage: MLX's exp, log and random bits are scalar
+    on a CPU, so Gumbel noise over a 152k vocabulary (mx.random.categorical) costs 5.9 ms
+    a row, against 0.5 ms for this: 4% of a 1.5B INT4 target step, 9% of a 0.5B draft pass.
+    """
+    u = 1.0 - mx.random.uniform(shape=(2, *probs.shape[:-1]), key=key)  # in (0, 1]
+    return inverse_cdf(probs, u[0], u[1])
+
+
+def inverse_cdf(probs: mx.array, u_block: mx.array, u_token: mx.array) -> mx.array:
+    """The token where each row's running mass first reaches u ∈ (0, 1] of its total, in
+    two stages: a block of BLOCK tokens by the blocks' masses (u_block), then a token within
+    it (u_token). A single float32 running sum over the whole vocabulary would round off
+    every token below half an ulp of the sum so far (3e-8 near 1: up to 0.5% of the mass
+    over 152k tokens); in short sums the loss stays below 3e-5, less than Gumbel noise
+    drawn from float32 uniforms leaves out."""
+    *lead, size = probs.shape
+    padded = mx.pad(probs, [(0, 0)] * len(lead) + [(0, -size % BLOCK)])
+    blocks = padded.reshape(*lead, -1, BLOCK)
+    # The first entry whose running mass reaches u of the total: it has mass of its own.
+    running = mx.cumsum(mx.sum(blocks, axis=-1), axis=-1)
+    b = mx.sum(running < u_block[..., None] * running[..., -1:], axis=-1)
+    block = mx.take_along_axis(blocks, b[..., None, None], axis=-2).squeeze(-2)
+    running = mx.cumsum(block, axis=-1)
+    t = mx.sum(running < u_token[..., None] * running[..., -1:], axis=-1)
+    return (b * BLOCK + t).astype(mx.uint32)

@@ -320,16 +320,11 @@ def _decode(
             t1 = time.perf_counter()
             x = mx.concatenate([mx.array([last], mx.uint32), draft_tokens])
             logits = target.module(x[None], cache=cache)[0]
-            n, token, top = verify(logits, q, draft_tokens, verify_key)
+            n, token, p = verify(logits, q, draft_tokens, verify_key)
             mx.eval(n, token)  # the one host sync of the round
             n, token = n.item(), token.item()
             if scheduler is not None and source == "model":  # calibrates the forecast
-                judged = min(n + 1, g)
-                tops = (
-                    top[:judged].tolist()
-                    if top is not None
-                    else top_probabilities(logits[:judged], vocab, scratch)
-                )
+                tops = top_probabilities(logits, p, min(n + 1, g), vocab, scratch)
             drafts = draft_tokens.tolist()
             trim_prompt_cache(cache, g - n)
             stats.draft_time += t1 - t0

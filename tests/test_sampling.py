@@ -3,9 +3,10 @@
 import mlx.core as mx
 import numpy as np
 import pytest
+from stats_util import ALPHA, chi_square_pvalue
 
 from specmlx.errors import SpecmlxError
-from specmlx.sampling import SamplingParams, probabilities
+from specmlx.sampling import BLOCK, SamplingParams, inverse_cdf, probabilities, sample
 
 LOGITS = mx.array([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
 
@@ -51,3 +52,41 @@ def test_top_p_of_one_changes_nothing():
 def test_bad_parameters_are_refused(kwargs):
     with pytest.raises(SpecmlxError):
         SamplingParams(**kwargs)
+
+
+def _uneven_distribution() -> np.ndarray:
+    """600 tokens (two full blocks and a padded one): the second block all zero, zeros
+    at block edges and at the very end, masses from 1e-5 to ~0.1."""
+    p = np.random.default_rng(7).dirichlet(np.full(600, 0.5))
+    p[BLOCK : 2 * BLOCK] = 0.0
+    p[[0, BLOCK - 1, 2 * BLOCK, 599]] = 0.0
+    return (p / p.sum()).astype(np.float32)
+
+
+def test_samples_follow_the_distribution_and_never_draw_a_zero():
+    # 60,000 draws; chi-square at ALPHA. Power: a sampler that moved 0.005 of mass onto or
+    # off any one token shifts its count by 300 against a standard deviation below 80
+    # (p <= 0.1): rejected with probability > 0.99.
+    p = _uneven_distribution()
+    rows = mx.broadcast_to(mx.array(p), (10_000, p.size))
+    draws = np.concatenate([np.array(sample(rows, mx.random.key(seed))) for seed in range(6)])
+    counts = np.bincount(draws, minlength=p.size)
+    assert counts.size == p.size  # nothing drawn from the padding past the vocabulary
+    assert counts[p == 0].sum() == 0
+    assert chi_square_pvalue(counts[p > 0], p[p > 0]) > ALPHA
+
+
+def test_one_row_or_many_each_get_one_token():
+    p = mx.array(_uneven_distribution())
+    assert sample(p, mx.random.key(0)).shape == ()
+    assert sample(mx.stack([p, p, p]), mx.random.key(0)).shape == (3,)
+
+
+@pytest.mark.parametrize("u", [1.0, 2.0**-24])
+def test_the_extreme_uniform_draws_land_on_tokens_with_mass(u):
+    # u = 1 reaches the whole mass: the last token with any, not the zeros or padding after
+    # it; the smallest u the first token with any, not the zeros before it.
+    p = _uneven_distribution()
+    token = inverse_cdf(mx.array(p), mx.array(u), mx.array(u)).item()
+    nonzero = np.flatnonzero(p)
+    assert token == (nonzero[-1] if u == 1.0 else nonzero[0])
