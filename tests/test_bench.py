@@ -312,3 +312,38 @@ def test_plot_without_matplotlib_is_a_clear_error(bench_run, monkeypatch, tmp_pa
         main(["bench", "--quick", "--plot", str(tmp_path / "x.png")])
     assert exit_info.value.code == 2
     assert "error: --plot needs matplotlib" in capsys.readouterr().err
+
+
+def test_a_block_that_lost_cpus_to_steal_is_timed_again_whole(model_dirs, monkeypatch):
+    # The hypervisor takes 10% of the CPUs during the first block's second run: both of its
+    # runs are timed again (the modes stay interleaved) and the first try is kept apart.
+    from specmlx import load
+
+    target = load(model_dirs["target"])
+    steal = iter([0.0, 0.0, 0.0, 0.10] + [0.0] * 20)
+    clock = [0, 0]
+
+    def cpu_times():
+        clock[0] += round(next(steal) * 100)
+        clock[1] += 100
+        return tuple(clock)
+
+    monkeypatch.setattr(bench, "cpu_times", cpu_times)
+    calls = []
+
+    def fake(target, draft, ids, mode, temperature, max_tokens, seed):
+        calls.append((mode.name, seed))
+        return record("", mode.name, 4, 1.0)
+
+    prompts = [bench.Prompt("p/0", "qa", "x y", "tune")]
+    modes = [bench.TARGET, Mode("specmlx", 2)]
+    result = bench.run_bench(
+        target, target, prompts, modes, [1.0], repeat=2, seed=7, warmup=False,
+        runners={"specmlx": fake},
+    )  # fmt: skip
+    assert len(calls) == 6 and calls[:2] == calls[2:4]  # the same seeds again
+    assert [r["steal"] for r in result["retimed"]] == [0.0, pytest.approx(0.10)]
+    assert sorted((r["mode"], r["repeat"]) for r in result["runs"]) == [
+        ("specmlx:2", 0), ("specmlx:2", 1), ("target", 0), ("target", 1)
+    ]  # fmt: skip
+    assert all(r["steal"] == 0.0 for r in result["runs"])

@@ -118,6 +118,14 @@ def render(result: dict, console: Console) -> None:
             f"[yellow]greedy divergence: {r['mode']} on {r['prompt_id']} differs from the "
             f"target alone at token {r['diverges_at']}[/yellow]"
         )
+    retimed = result.get("retimed") or []  # results from before steal was measured have none
+    if retimed:
+        worst = max(r["steal"] for r in retimed)
+        console.print(
+            f"[dim]{len(retimed)} runs timed again: the hypervisor took over "
+            f"{result['settings']['steal_limit']:.0%} of the CPUs during their block "
+            f"(up to {worst:.0%})[/dim]"
+        )
     m, cold = result["machine"], result["cold_start"]
     console.print(
         f"[dim]{m['cpu']} · {m['cores']} cores · {m['backend']} · mlx {m['mlx']} · "
