@@ -1,4 +1,5 @@
-"""The native INT4/INT8 CPU matmul: availability, the op, and patching a model to use it.
+"""The native INT4/INT8 CPU matmul (and softmax): availability, the ops, and patching a
+model to use them.
 
 MLX's CPU `quantized_matmul` is a scalar single-threaded loop on x86 Linux. specmlx ships
 a C++ MLX primitive (specmlx/_native, see its README) that computes the same
@@ -157,6 +158,14 @@ def quantized_matmul(
         bits=bits,
         mode=mode,
     )
+
+
+def softmax(x: mx.array) -> mx.array:
+    """Softmax over the last axis: the native kernel for float32 on a CPU stream (MLX's CPU
+    exp is scalar: 4.4 ms over a 152k vocabulary, against 0.1 ms), else MLX's."""
+    if _ext is not None and x.dtype == mx.float32 and mx.default_device() == mx.cpu:
+        return _ext.softmax(x)
+    return mx.softmax(x, axis=-1)
 
 
 class NativeQuantizedLinear(nn.QuantizedLinear):

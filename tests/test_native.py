@@ -6,6 +6,7 @@ import sys
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 
 import specmlx
@@ -288,3 +289,43 @@ def test_load_patches_int4_models_on_cpu(quantized_tiny, model_dirs, tmp_path):
 
     assert native_layers(specmlx.load(tmp_path, native=False)) == 0
     assert native_layers(specmlx.load(tmp_path)) > 0
+
+
+@needs_native
+@pytest.mark.parametrize("size", [1, 15, 16, 17, 63, 64, 65, 1000, 151_665])
+def test_softmax_is_the_exact_softmax_within_float32_rounding(size, each_isa):
+    # Against float64. MLX's own softmax sums a row in one float32 pass: 5e-5 off over
+    # 152k logits; the kernel's partial sums stay within 1e-5 (AVX-512) and 3e-6 (scalar).
+    x = mx.random.normal((3, size), key=mx.random.key(size)) * 6.0
+    exact = np.exp(np.array(x, np.float64) - np.array(x, np.float64).max(-1, keepdims=True))
+    exact /= exact.sum(-1, keepdims=True)
+    for isa in each_isa:
+        native._ext.set_isa(isa)
+        out = native.softmax(x)
+        assert out.shape == x.shape and out.dtype == mx.float32
+        np.testing.assert_allclose(np.array(out, np.float64), exact, rtol=1e-5, atol=1e-30)
+
+
+@needs_native
+def test_softmax_gives_masked_tokens_exactly_zero(each_isa):
+    # top-k and top-p mask tokens with -inf: a masked token must never be drawn
+    x = mx.array([[2.0, -mx.inf, 0.5, -200.0] + [-mx.inf] * 13 + [1.0]])
+    for isa in each_isa:
+        native._ext.set_isa(isa)
+        out = native.softmax(x)[0].tolist()
+        assert [i for i, p in enumerate(out) if p == 0.0] == [1, 3] + list(range(4, 17)), isa
+
+
+@needs_native
+def test_softmax_inside_compile_on_a_lazy_input():
+    fn = mx.compile(lambda logits: native.softmax(logits / 0.7) * 2.0)
+    x = mx.random.normal((2, 300)) + 1.0  # not evaluated yet
+    assert mx.allclose(fn(x), mx.softmax(x / 0.7, axis=-1) * 2.0, rtol=2e-6).item()
+
+
+def test_softmax_falls_back_to_mlx(monkeypatch):
+    x = mx.random.normal((2, 50))
+    for dtype in (mx.float16, mx.bfloat16):  # the kernel takes float32 only
+        assert mx.array_equal(native.softmax(x.astype(dtype)), mx.softmax(x.astype(dtype), axis=-1))
+    monkeypatch.setattr(native, "_ext", None)
+    assert mx.array_equal(native.softmax(x), mx.softmax(x, axis=-1)).item()

@@ -3,6 +3,7 @@
 
 #include "mlx/version.h"
 #include "qmm.h"
+#include "softmax.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -32,6 +33,11 @@ NB_MODULE(_ext, m) {
       "group_size"_a = 64,
       "bits"_a = 4,
       "x @ dequantize(w, scales, biases).T for 4/8-bit affine weights on the default CPU stream.");
+  m.def(
+      "softmax",
+      [](const specmlx::mx::array& x) { return specmlx::softmax(x); },
+      "x"_a,
+      "Softmax over the last axis of a float32 array, on the default CPU stream.");
   m.def("threads", &specmlx::threads, "Size of the kernel's thread pool.");
   m.def("set_threads", &specmlx::set_threads, "n"_a, "Resize the kernel's thread pool.");
   m.def("isa", &specmlx::isa, "The instruction set the kernel runs with.");

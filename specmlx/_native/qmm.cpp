@@ -233,6 +233,10 @@ void set_threads(int n) {
   ThreadPool::instance().resize(n);
 }
 
+Isa active_isa() {
+  return g_isa.load(std::memory_order_relaxed);
+}
+
 const char* isa() {
   return isa_name(g_isa.load());
 }

@@ -5,6 +5,8 @@
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
 
+#include "kernels.h"
+
 namespace specmlx {
 
 namespace mx = mlx::core;
@@ -41,6 +43,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
 };
 
 // Settings visible from Python (for tests and benchmarks).
+Isa active_isa();  // the kernels' ISA: the best detected, or the one set_isa forced
 int threads();
 void set_threads(int n);
 const char* isa();
