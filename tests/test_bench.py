@@ -119,23 +119,29 @@ def test_with_repeats_a_prompts_ratio_is_of_median_runs():
     assert (row["prompts"], row["runs"], row["speedup_median"]) == (1, 3, pytest.approx(1.2))
 
 
-def test_each_repeat_samples_with_its_own_seed(model_dirs):
-    # At T > 0 one seed is one text per mode: repeats must sample others to average over.
-    from specmlx import load
-
-    target = load(model_dirs["target"])
-    seeds = []
+def run_fake_bench(target, repeat: int) -> tuple[dict, list]:
+    """run_bench on one prompt at T = 1, the target alone and γ = 2, seed 7, with a runner
+    that only records each call's (mode, seed)."""
+    calls = []
 
     def fake(target, draft, ids, mode, temperature, max_tokens, seed):
-        seeds.append((mode.name, seed))
+        calls.append((mode.name, seed))
         return record("", mode.name, 4, 1.0)
 
     prompts = [bench.Prompt("p/0", "qa", "x y", "tune")]
     modes = [bench.TARGET, Mode("specmlx", 2)]
     result = bench.run_bench(
-        target, target, prompts, modes, [1.0], repeat=3, seed=7, warmup=False,
+        target, target, prompts, modes, [1.0], repeat=repeat, seed=7, warmup=False,
         runners={"specmlx": fake},
     )  # fmt: skip
+    return result, calls
+
+
+def test_each_repeat_samples_with_its_own_seed(model_dirs):
+    # At T > 0 one seed is one text per mode: repeats must sample others to average over.
+    from specmlx import load
+
+    result, seeds = run_fake_bench(load(model_dirs["target"]), repeat=3)
     assert sorted(seeds) == sorted((m, s) for m in ("target", "specmlx:2") for s in (7, 8, 9))
     assert sorted(r["repeat"] for r in result["runs"]) == [0, 0, 1, 1, 2, 2]
 
@@ -329,18 +335,7 @@ def test_a_block_that_lost_cpus_to_steal_is_timed_again_whole(model_dirs, monkey
         return tuple(clock)
 
     monkeypatch.setattr(bench, "cpu_times", cpu_times)
-    calls = []
-
-    def fake(target, draft, ids, mode, temperature, max_tokens, seed):
-        calls.append((mode.name, seed))
-        return record("", mode.name, 4, 1.0)
-
-    prompts = [bench.Prompt("p/0", "qa", "x y", "tune")]
-    modes = [bench.TARGET, Mode("specmlx", 2)]
-    result = bench.run_bench(
-        target, target, prompts, modes, [1.0], repeat=2, seed=7, warmup=False,
-        runners={"specmlx": fake},
-    )  # fmt: skip
+    result, calls = run_fake_bench(target, repeat=2)
     assert len(calls) == 6 and calls[:2] == calls[2:4]  # the same seeds again
     assert [r["steal"] for r in result["retimed"]] == [0.0, pytest.approx(0.10)]
     assert sorted((r["mode"], r["repeat"]) for r in result["runs"]) == [
