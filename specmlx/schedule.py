@@ -175,13 +175,12 @@ class Costs:
         ratios = self._ratios
         if k not in ratios:
             seen = self.target.get(k, [])
-            slope = self.slope
             if k == 1:
                 ratios[k] = 1.0
             elif len(seen) >= 3:
                 ratios[k] = median(seen)
             else:
-                ratios[k] = None if slope is None else 1 + slope * (k - 1)
+                ratios[k] = None if self.slope is None else 1 + self.slope * (k - 1)
         return ratios[k]
 
     @cached_property

@@ -15,8 +15,6 @@
 
 #include "mlx/types/half_types.h"
 
-#define SPECMLX_AVX2 __attribute__((target("avx2,fma")))
-#define SPECMLX_AVX512 __attribute__((target("avx512f,avx2,fma")))
 
 namespace specmlx {
 namespace {

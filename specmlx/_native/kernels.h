@@ -4,6 +4,10 @@
 #include <cstddef>
 #include <cstdint>
 
+// Functions built for one ISA (the file stays baseline x86-64; see detect_isa).
+#define SPECMLX_AVX2 __attribute__((target("avx2,fma")))
+#define SPECMLX_AVX512 __attribute__((target("avx512f,avx2,fma")))
+
 namespace specmlx {
 
 enum class ScaleType { f32, bf16, f16 };

@@ -13,8 +13,6 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "qmm.h"
 
-#define SPECMLX_AVX512 __attribute__((target("avx512f,avx2,fma")))
-
 namespace specmlx {
 namespace {
 
@@ -116,8 +114,7 @@ void softmax_scalar(const float* x, float* out, int n) {
   }
 }
 
-} // namespace
-
+// out[i] = exp(x[i] - max x) / sum, on the ISA the kernels run with.
 void softmax_row(const float* x, float* out, int n) {
   if (n <= 0) {
     return;
@@ -128,6 +125,8 @@ void softmax_row(const float* x, float* out, int n) {
     softmax_scalar(x, out, n);
   }
 }
+
+} // namespace
 
 void Softmax::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const auto& x = inputs[0];

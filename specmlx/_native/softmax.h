@@ -30,7 +30,4 @@ class Softmax : public mx::UnaryPrimitive {
   }
 };
 
-// One row, in place of MLX's: out[i] = exp(x[i] - max x) / sum. Exposed for the ISA tests.
-void softmax_row(const float* x, float* out, int n);
-
 } // namespace specmlx
