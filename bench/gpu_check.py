@@ -27,7 +27,7 @@ from mlx_lm.models.cache import trim_prompt_cache
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 import specmlx
-from specmlx.kv_cache import make_cache
+from specmlx.caches import make_cache
 from specmlx.loading import Model
 from specmlx.tiny import build_tiny_model
 
@@ -63,7 +63,7 @@ def target_step_times(
 ) -> dict[int, float]:
     """Median seconds of one target pass with k new tokens after `context` cached ones;
     with `grow`, one of the k is kept each time, so every pass sees a new KV length (as
-    decoding does). Caches as the engine makes them (specmlx.kv_cache)."""
+    decoding does). Caches as the engine makes them (specmlx.caches)."""
     cache = make_cache(model.module)
     mx.eval(model.module(mx.arange(context)[None] % 300, cache=cache))
     times: dict[int, list[float]] = {k: [] for k in ks}

@@ -19,7 +19,7 @@ from mlx_lm.models.cache import trim_prompt_cache
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 import specmlx
-from specmlx.kv_cache import make_cache
+from specmlx.caches import make_cache
 from specmlx.sampling import SamplingParams
 from specmlx.verify import make_verifier
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 import time
 
 import mlx.core as mx
-from mlx_lm.models.cache import trim_prompt_cache
 from mlx_lm.utils import common_prefix_len
 
-from .kv_cache import make_cache
+from .caches import make_cache, trim, unrollable
 from .loading import Model
 
 PREFILL_STEP = 512  # tokens per prefill chunk: bounds the activations' memory
@@ -32,25 +31,33 @@ def timed_pass(model: Model, cache: list, tokens: list[int]) -> float:
     start = time.perf_counter()
     mx.eval(model.module(mx.array(tokens, mx.uint32)[None], cache=cache))
     seconds = time.perf_counter() - start
-    trim_prompt_cache(cache, len(tokens))
+    trim(cache, len(tokens))
     return seconds
 
 
-def align_cache(cache: list, cached: list[int], tokens: list[int]) -> int:
+def align_cache(model: Model, cache: list, cached: list[int], tokens: list[int]) -> int:
     """Trim `cache` to the longest prefix of `tokens` it holds; return that length.
 
-    `cached` is what the cache held at the end of the last complete round; an
-    interrupted round may have left extra entries, which are trimmed first.
+    `cached` is what the cache held at the end of the last complete round, or [] when a
+    round was interrupted mid-pass. A cache that cannot be trimmed exactly (a sliding
+    window, a recurrent state) is kept only when it holds a prefix of `tokens` as it is,
+    and otherwise made anew, to be prefilled from the start.
     """
-    offset = cache[0].offset if cache and hasattr(cache[0], "offset") else len(cached)
-    if offset > len(cached):
-        trim_prompt_cache(cache, offset - len(cached))
-    elif offset < len(cached):  # never expected; start over rather than trust it
-        for c in cache:
-            c.trim(c.offset)
-        cached.clear()
     keep = common_prefix_len(cached, tokens)
-    trim_prompt_cache(cache, len(cached) - keep)
+    if unrollable(cache) is not None:
+        if keep < len(cached) or not cached:
+            cache[:] = make_cache(model.module)
+            cached.clear()
+            return 0
+        return keep
+    offset = cache[0].offset if cache and hasattr(cache[0], "offset") else len(cached)
+    if offset > len(cached):  # an interrupted round's extra entries
+        trim(cache, offset - len(cached))
+    elif offset < len(cached):  # never expected; start over rather than trust it
+        cache[:] = make_cache(model.module)
+        cached.clear()
+        return 0
+    trim(cache, len(cached) - keep)
     del cached[keep:]
     return keep
 
@@ -60,7 +67,7 @@ def sync_cache(model: Model, cache: list, cached: list[int], tokens: list[int]) 
 
     Returns how many tokens had to be processed (the prefill of this call).
     """
-    keep = align_cache(cache, cached, tokens)
+    keep = align_cache(model, cache, cached, tokens)
     prefill(model, cache, tokens[keep:])
     cached.extend(tokens[keep:])
     return len(tokens) - keep
@@ -83,7 +90,7 @@ class ModelDrafter:
     def prefill(self, tokens: list[int]) -> None:
         """Line the cache up with `tokens`; what it lacks is fed lazily, at the first
         proposal, so a call that never drafts (auto γ = 0) never pays for it."""
-        keep = align_cache(self.cache, self.cached, tokens[:-1])
+        keep = align_cache(self.model, self.cache, self.cached, tokens[:-1])
         self.pending = tokens[keep:]
 
     def catch_up(self) -> int:
@@ -137,7 +144,7 @@ class ModelDrafter:
         if n == g:
             self.pending = emitted[-2:]  # [d_g, the bonus token]
         else:
-            trim_prompt_cache(self.cache, g - 1 - n)
+            trim(self.cache, g - 1 - n)
             del self.cached[len(self.cached) - (g - 1 - n) :]
             self.pending = emitted[-1:]
 

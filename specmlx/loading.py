@@ -187,7 +187,8 @@ def load(
     if not lazy:
         mx.eval(module.parameters())
     t3 = time.perf_counter()
-    logits_dim = config.get("vocab_size") or module.args.vocab_size
+    # Multimodal wrappers (Qwen3.5, Gemma 3) keep the language model's config nested.
+    logits_dim = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
     vocab_size = min(len(tokenizer), logits_dim)
     # weights_s: building the model, plus the part of reading (lazy=False only) that the
     # tokenizer load did not hide.

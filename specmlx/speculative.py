@@ -15,11 +15,10 @@ from dataclasses import asdict, dataclass, field
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import trim_prompt_cache
 
+from .caches import check_rollback, make_cache, trim, unrollable
 from .drafters import LookupDrafter, ModelDrafter, point_mass, sync_cache
 from .errors import SpecmlxError
-from .kv_cache import make_cache
 from .loading import Model, backend, check_pair
 from .sampling import SamplingParams
 from .schedule import Scheduler, load_costs, save_costs
@@ -228,10 +227,23 @@ def generate(
         session = Session(target, draft)
     elif session.target is not target or (draft is not None and session.draft is not draft):
         raise SpecmlxError("this session was made for other models; make a new Session")
+    if num_draft != 0 and (draft_mode != "model" or session.draft is not None):
+        check_rollback(
+            target, *([session.draft] if session.draft and draft_mode != "lookup" else [])
+        )
     ids = encode_prompt(target, prompt)
 
     def steps(gen: Generation) -> Iterator[Step]:
-        yield from _decode(session, ids, params, max_tokens, num_draft, draft_mode, seed, gen)
+        try:
+            yield from _decode(session, ids, params, max_tokens, num_draft, draft_mode, seed, gen)
+        except GeneratorExit:  # closed between steps: the caches hold what was emitted
+            raise
+        except BaseException:
+            # Stopped mid-pass (Ctrl-C, an error): a cache that cannot be trimmed back may
+            # hold part of a round; the next call must prefill it anew.
+            if unrollable(session.cache) is not None:
+                session.cached.clear()
+            raise
 
     return Generation(steps)
 
@@ -326,7 +338,7 @@ def _decode(
             if scheduler is not None and source == "model":  # calibrates the forecast
                 tops = top_probabilities(logits, p, min(n + 1, g), vocab, scratch)
             drafts = draft_tokens.tolist()
-            trim_prompt_cache(cache, g - n)
+            trim(cache, g - n)
             stats.draft_time += t1 - t0
             stats.drafted += g
             stats.accepted += n

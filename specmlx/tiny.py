@@ -66,9 +66,127 @@ def train_tokenizer(vocab_size: int = 300):
     return tokenizer
 
 
+# Per architecture, what a small config of it needs beside the shared fields below: a
+# few layers of each kind the family mixes (sliding and full attention, recurrent and
+# attention layers), windows short enough that a test's prompt wraps them.
+_WINDOW = 16
+ARCHITECTURES: dict[str, dict] = {
+    "llama": {"architectures": ["LlamaForCausalLM"], "head_dim": 16},
+    "qwen2": {"architectures": ["Qwen2ForCausalLM"]},
+    "qwen3": {"head_dim": 16},
+    "qwen3_moe": {
+        "head_dim": 16,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+    },
+    "phi3": {},
+    "olmo2": {"head_dim": 16},
+    "smollm3": {"head_dim": 16, "no_rope_layer_interval": 2},
+    "gemma2": {"head_dim": 16, "query_pre_attn_scalar": 16},
+    "gemma3_text": {
+        "num_hidden_layers": 4,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "sliding_window": _WINDOW,
+        "sliding_window_pattern": 2,
+    },
+    "gpt_oss": {
+        "head_dim": 16,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": _WINDOW,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
+    "mamba2": {
+        "num_heads": 8,  # num_heads * head_dim = 2 * hidden_size
+        "head_dim": 16,
+        "state_size": 16,
+        "layer_norm_epsilon": 1e-5,
+        "conv_kernel": 4,
+        "n_groups": 1,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "time_step_limit": [0.0, float("inf")],
+        "time_step_rank": "auto",
+    },
+    "qwen3_next": {
+        "num_hidden_layers": 4,
+        "head_dim": 16,
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "shared_expert_intermediate_size": 64,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": 32,
+        "partial_rotary_factor": 0.25,
+        "full_attention_interval": 2,
+    },
+    "qwen3_5": {
+        "num_hidden_layers": 4,
+        "head_dim": 16,
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 2,
+    },
+    "lfm2": {
+        "num_hidden_layers": 3,
+        "norm_eps": 1e-5,
+        "conv_bias": False,
+        "conv_L_cache": 3,
+        "block_dim": 64,
+        "block_ff_dim": 128,
+        "block_multiple_of": 16,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_auto_adjust_ff_dim": False,
+        "full_attn_idxs": [1],
+    },
+    "granitemoehybrid": {
+        "num_hidden_layers": 3,
+        "attention_bias": False,
+        "embedding_multiplier": 1.0,
+        "attention_multiplier": 0.25,
+        "logits_scaling": 1.0,
+        "residual_multiplier": 1.0,
+        "layer_types": ["mamba", "attention", "mamba"],
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "shared_intermediate_size": 64,
+        "mamba_n_heads": 8,  # mamba_n_heads * mamba_d_head = 2 * hidden_size
+        "mamba_d_head": 16,
+        "mamba_proj_bias": False,
+        "mamba_d_state": 16,
+        "mamba_d_conv": 4,
+        "mamba_n_groups": 1,
+        "mamba_conv_bias": True,
+        "tie_word_embeddings": False,
+    },
+    "falcon_h1": {
+        "head_dim": 16,
+        "mamba_d_conv": 4,
+        "mamba_d_head": 16,
+        "mamba_d_ssm": 64,
+        "mamba_d_state": 16,
+        "mamba_n_heads": 4,
+        "mamba_chunk_size": 16,
+        "tie_word_embeddings": False,
+    },
+}
+
+
 def _config(arch: str, vocab_size: int, hidden: int, layers: int) -> dict:
     config = {
-        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
         "model_type": arch,
         "hidden_size": hidden,
         "intermediate_size": hidden * 2,
@@ -84,8 +202,9 @@ def _config(arch: str, vocab_size: int, hidden: int, layers: int) -> dict:
         "bos_token_id": None,
         "eos_token_id": None,
     }
-    if arch == "llama":
-        config["head_dim"] = hidden // 4
+    config.update(ARCHITECTURES[arch])
+    if arch == "qwen3_5":  # a multimodal wrapper: the language model's config is nested
+        config = {"model_type": arch, "text_config": config, "tie_word_embeddings": False}
     return config
 
 
@@ -108,8 +227,8 @@ def build_tiny_model(
     With `perturb_from`, the weights are a copy of that model plus Gaussian `noise`
     times each tensor's standard deviation: a draft that is close to, not equal to, it.
     """
-    if arch not in ("qwen2", "llama"):
-        raise ValueError(f"tiny models exist for 'qwen2' and 'llama', not {arch!r}")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"no tiny config for {arch!r}; known: {', '.join(ARCHITECTURES)}")
     from mlx_lm.utils import _get_classes
 
     path = Path(path)
@@ -130,9 +249,11 @@ def build_tiny_model(
         model_class, args_class = _get_classes(config)
         model = model_class(args_class.from_dict(config))
         weights = dict(tree_flatten(model.parameters()))
-        head = weights["lm_head.weight"] * logit_scale
-        head[n_tokens:] = 0  # padding rows are never trained in real checkpoints either
-        weights["lm_head.weight"] = head
+        # Families that always tie (Gemma) have no head of their own to sharpen.
+        for name in [k for k in weights if k.endswith("lm_head.weight")]:
+            head = weights[name] * logit_scale
+            head[n_tokens:] = 0  # padding rows are never trained in real checkpoints either
+            weights[name] = head
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
 
     (path / "config.json").write_text(json.dumps(config, indent=2))

@@ -83,8 +83,12 @@ def chat(
 
     target, drafter, timings = options.load_timed(model, draft, no_draft, dtype, note, cpu_weights)
 
+    from ..caches import check_rollback
     from ..loading import backend
     from ..speculative import Session, Stats
+
+    if num_draft != 0 and (drafter is not None or draft_mode != "model"):
+        check_rollback(target, *([drafter] if drafter and draft_mode != "lookup" else []))
 
     for line in report.startup_lines(target, drafter, timings, backend()):
         note(line)

@@ -6,8 +6,8 @@ import pytest
 from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
 import specmlx
-from specmlx import kv_cache
-from specmlx.kv_cache import PaddedKVCache
+from specmlx import caches
+from specmlx.caches import PaddedKVCache
 
 
 def test_padded_cache_gives_the_logits_of_mlx_lms_cache(models):
@@ -56,9 +56,9 @@ def test_the_mask_is_causal_over_stored_positions_and_hides_the_tail():
 
 @pytest.mark.parametrize("setting, padded", [("1", True), ("0", False)])
 def test_the_environment_chooses_the_cache(models, monkeypatch, setting, padded):
-    monkeypatch.setenv(kv_cache.ENV, setting)
-    caches = kv_cache.make_cache(models["target"].module)
-    assert all(type(c) is (PaddedKVCache if padded else KVCache) for c in caches)
+    monkeypatch.setenv(caches.ENV, setting)
+    made = caches.make_cache(models["target"].module)
+    assert all(type(c) is (PaddedKVCache if padded else KVCache) for c in made)
 
 
 def test_greedy_speculation_with_padded_caches_equals_the_target(models, monkeypatch):
@@ -66,7 +66,7 @@ def test_greedy_speculation_with_padded_caches_equals_the_target(models, monkeyp
         monkeypatch.setattr(m.tokenizer, "eos_token_ids", set())
     target, draft = models["target"], models["perturbed"]
     baseline = specmlx.generate(target, "def f(x):", max_tokens=40, num_draft=0).run().tokens
-    monkeypatch.setenv(kv_cache.ENV, "1")
+    monkeypatch.setenv(caches.ENV, "1")
     session = specmlx.Session(target, draft)
     assert isinstance(session.cache[0], PaddedKVCache)
     gen = specmlx.generate(target, "def f(x):", draft, max_tokens=40, num_draft=3, session=session)

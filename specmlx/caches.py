@@ -1,4 +1,12 @@
-"""KV caches for both models: mlx-lm's, or a padded one where shapes must repeat.
+"""Caches for both models: mlx-lm's, or a padded one where shapes must repeat; which of
+them a round can roll back exactly.
+
+Speculation rolls a cache back by the rejected drafts after every round. mlx-lm's
+`trim` does that exactly only for caches that keep every position (KVCache and its
+quantized and padded kinds). A sliding window that has wrapped has overwritten what a
+rollback would need, and a recurrent state (ArraysCache) has no positions to drop: their
+`trim_prompt_cache` trims nothing and returns 0. Those architectures are refused for
+speculation (`check_rollback`) until they get a rollback of their own.
 
 MLX's CUDA backend (0.32.4) builds attention kernels per shape: a target pass over 3 new
 tokens costs ~8 ms at a KV length it has seen and ~70 ms at a new one, and a growing
@@ -15,7 +23,15 @@ import os
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    CacheList,
+    ConcatenateKVCache,
+    KVCache,
+    QuantizedKVCache,
+    make_prompt_cache,
+)
+
+from .errors import SpecmlxError
 
 ENV = "SPECMLX_KV_PADDING"  # "1" always, "0" never, unset: where kernels are per shape
 
@@ -77,3 +93,49 @@ def make_cache(module: nn.Module) -> list:
     if padding_wanted() and all(type(c) is KVCache for c in caches):
         return [PaddedKVCache() for _ in caches]
     return caches
+
+
+# Kinds whose trim(n) drops exactly the last n positions and leaves the rest as it was.
+EXACT_TRIM = (KVCache, QuantizedKVCache, ConcatenateKVCache)
+
+
+def unrollable(cache: list) -> str | None:
+    """The name of the first cache kind in `cache` that cannot be trimmed exactly, or None."""
+    for layer in cache:
+        if isinstance(layer, CacheList):
+            kind = unrollable(list(layer.caches))
+        else:
+            kind = None if isinstance(layer, EXACT_TRIM) else type(layer).__name__
+        if kind is not None:
+            return kind
+    return None
+
+
+def check_rollback(*models) -> None:
+    """Refuse, before anything is decoded, to speculate on a model whose cache a rejected
+    draft could not be rolled back from exactly (it would emit text that is not the
+    target's). Each of `models` is a loaded Model."""
+    for model in models:
+        kind = unrollable(make_prompt_cache(model.module))
+        if kind is not None:
+            arch = model.config.get("model_type", "this architecture")
+            raise SpecmlxError(
+                f"speculative decoding on {arch} ({model.name}) is not exact yet: its "
+                f"{kind} layers cannot be rolled back after a rejected draft; run the "
+                "target alone (--no-draft, or num_draft=0)"
+            )
+
+
+def trim(cache: list, n: int) -> None:
+    """Drop the last n positions of every layer, or fail loudly: a short trim would leave
+    entries of rejected drafts behind, and the text that follows would not be the
+    target's."""
+    if n <= 0:
+        return
+    kind = unrollable(cache)
+    trimmed = {layer.trim(n) for layer in cache} if kind is None else {0}
+    if trimmed != {n}:
+        raise SpecmlxError(
+            f"internal: a cache rollback by {n} positions trimmed {sorted(trimmed)} "
+            f"({kind or 'a layer held fewer positions'}); nothing after this would be exact"
+        )
