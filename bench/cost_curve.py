@@ -18,8 +18,7 @@ import argparse
 from statistics import median
 
 from specmlx.bench import encode
-from specmlx.caches import make_cache
-from specmlx.drafters import prefill, timed_pass
+from specmlx.caches import make_cache, prefill, timed_pass
 from specmlx.loading import load
 
 PROMPT = "Write a python function that adds two numbers and explain it."

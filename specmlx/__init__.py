@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 from .errors import SpecmlxError
 
 if TYPE_CHECKING:
+    from .engine import Generation, Session, Stats, Step, generate
     from .loading import Model, load
-    from .speculative import Generation, Session, Stats, Step, generate
 
 __version__ = "0.1.0"
 __all__ = ["Generation", "Model", "Session", "SpecmlxError", "Stats", "Step", "generate", "load"]
@@ -25,11 +25,11 @@ __all__ = ["Generation", "Model", "Session", "SpecmlxError", "Stats", "Step", "g
 _LAZY = {
     "Model": "loading",
     "load": "loading",
-    "Generation": "speculative",
-    "Session": "speculative",
-    "Stats": "speculative",
-    "Step": "speculative",
-    "generate": "speculative",
+    "Generation": "engine",
+    "Session": "engine",
+    "Stats": "engine",
+    "Step": "engine",
+    "generate": "engine",
 }
 
 

@@ -272,7 +272,7 @@ def encode(model: Model, text: str, chat_template: bool) -> list[int]:
     if chat_template and getattr(tokenizer, "has_chat_template", False):
         messages = [{"role": "user", "content": text}]
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-    from .speculative import encode_prompt
+    from .engine import encode_prompt
 
     return encode_prompt(model, text)
 
@@ -282,7 +282,7 @@ def encode(model: Model, text: str, chat_template: bool) -> list[int]:
 
 def supports_auto() -> bool:
     """Whether specmlx.generate accepts num_draft="auto" (the adaptive γ policy)."""
-    from .speculative import generate
+    from .engine import generate
 
     param = inspect.signature(generate).parameters["num_draft"]
     return param.default == "auto" or "str" in str(param.annotation)
@@ -290,11 +290,11 @@ def supports_auto() -> bool:
 
 def draft_modes_available() -> list[str]:
     """The draft modes specmlx.generate offers: always "model"; "lookup"/"auto" once added."""
-    from . import speculative
+    from . import engine
 
-    if "draft_mode" not in inspect.signature(speculative.generate).parameters:
+    if "draft_mode" not in inspect.signature(engine.generate).parameters:
         return ["model"]
-    return list(getattr(speculative, "DRAFT_MODES", ["model"]))
+    return list(getattr(engine, "DRAFT_MODES", ["model"]))
 
 
 def parse_draft_modes(text: str, available: list[str]) -> list[str]:
@@ -432,7 +432,7 @@ def run_specmlx(
     max_tokens: int,
     seed: int,
 ) -> RunRecord:
-    from .speculative import generate
+    from .engine import generate
 
     mx.reset_peak_memory()
     start = time.perf_counter()
@@ -528,7 +528,7 @@ def run_mlx_lm(
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_sampler
 
-    from .drafters import prefill
+    from .caches import prefill
 
     mx.reset_peak_memory()
     start = time.perf_counter()

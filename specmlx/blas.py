@@ -172,7 +172,7 @@ def _gfortran_dirs() -> list[Path]:
     copies = sorted(bundled.glob("libgfortran-*.so.5*"))
     if not copies:
         return []
-    from .models import home
+    from .paths import home
 
     folder = home() / "lib"
     link = folder / "libgfortran.so.5"

@@ -7,70 +7,10 @@ rule (verify.accept_reject) is the same for every drafter.
 
 from __future__ import annotations
 
-import time
-
 import mlx.core as mx
-from mlx_lm.utils import common_prefix_len
 
-from .caches import make_cache, trim, unrollable
+from .caches import PREFILL_STEP, align_cache, make_cache, prefill, timed_pass, trim
 from .loading import Model
-
-PREFILL_STEP = 512  # tokens per prefill chunk: bounds the activations' memory
-
-
-def prefill(model: Model, cache: list, tokens: list[int], step: int = PREFILL_STEP) -> None:
-    """Run `tokens` through `model` into `cache`, in chunks so memory stays bounded."""
-    for start in range(0, len(tokens), step):
-        chunk = mx.array(tokens[start : start + step], mx.uint32)[None]
-        model.module(chunk, cache=cache)
-        mx.eval([c.state for c in cache])
-
-
-def timed_pass(model: Model, cache: list, tokens: list[int]) -> float:
-    """Seconds for one forward pass over `tokens`; the cache is left as it was."""
-    start = time.perf_counter()
-    mx.eval(model.module(mx.array(tokens, mx.uint32)[None], cache=cache))
-    seconds = time.perf_counter() - start
-    trim(cache, len(tokens))
-    return seconds
-
-
-def align_cache(model: Model, cache: list, cached: list[int], tokens: list[int]) -> int:
-    """Trim `cache` to the longest prefix of `tokens` it holds; return that length.
-
-    `cached` is what the cache held at the end of the last complete round, or [] when a
-    round was interrupted mid-pass. A cache that cannot be trimmed exactly (a sliding
-    window, a recurrent state) is kept only when it holds a prefix of `tokens` as it is,
-    and otherwise made anew, to be prefilled from the start.
-    """
-    keep = common_prefix_len(cached, tokens)
-    if unrollable(cache) is not None:
-        if keep < len(cached) or not cached:
-            cache[:] = make_cache(model.module)
-            cached.clear()
-            return 0
-        return keep
-    offset = cache[0].offset if cache and hasattr(cache[0], "offset") else len(cached)
-    if offset > len(cached):  # an interrupted round's extra entries
-        trim(cache, offset - len(cached))
-    elif offset < len(cached):  # never expected; start over rather than trust it
-        cache[:] = make_cache(model.module)
-        cached.clear()
-        return 0
-    trim(cache, len(cached) - keep)
-    del cached[keep:]
-    return keep
-
-
-def sync_cache(model: Model, cache: list, cached: list[int], tokens: list[int]) -> int:
-    """Make `cache` hold exactly `tokens`, reusing the longest prefix it already holds.
-
-    Returns how many tokens had to be processed (the prefill of this call).
-    """
-    keep = align_cache(model, cache, cached, tokens)
-    prefill(model, cache, tokens[keep:])
-    cached.extend(tokens[keep:])
-    return len(tokens) - keep
 
 
 class ModelDrafter:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import SpecmlxError
+from .paths import home
 
 HUB_PAIR = ("mlx-community/Qwen2.5-1.5B-Instruct-4bit", "mlx-community/Qwen2.5-0.5B-Instruct-4bit")
 TINY = "tiny"
@@ -81,11 +82,6 @@ Log = Callable[[str], None]
 
 def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr)
-
-
-def home() -> Path:
-    """specmlx's cache of converted models: $SPECMLX_HOME, else ~/.cache/specmlx."""
-    return Path(os.environ.get("SPECMLX_HOME") or Path.home() / ".cache" / "specmlx")
 
 
 def tiny_demo_pair(log: Log = _stderr) -> tuple[Path, Path]:

@@ -556,7 +556,7 @@ def band(top: float) -> int:
 
 
 def cost_cache_path() -> Path:
-    from .models import home
+    from .paths import home
 
     return home() / "costs.json"
 

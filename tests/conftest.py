@@ -10,7 +10,7 @@ import tempfile
 import pytest
 
 import specmlx
-from specmlx.models import home
+from specmlx.paths import home
 from specmlx.tiny import build_tiny_model
 
 # A command run without --model must never fetch real weights in tests (the default pair

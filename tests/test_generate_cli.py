@@ -76,7 +76,7 @@ def test_text_mode_reports_cold_start_and_stats(pair, home):
 
 def test_the_stats_line_shows_autos_usual_gamma_and_the_rounds_cut_short():
     from specmlx.cli.report import stats_line
-    from specmlx.speculative import Stats
+    from specmlx.engine import Stats
 
     stats = Stats(tokens=10, target_passes=5, drafted=6, accepted=4, gamma="auto")
     stats.rounds_by_gamma, stats.cut_short = {0: 1, 3: 2, 1: 1}, 1

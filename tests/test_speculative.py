@@ -10,7 +10,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 import specmlx
-from specmlx.drafters import prefill
+from specmlx.caches import prefill
 from specmlx.errors import SpecmlxError
 
 PROMPT = "def fibonacci(n):"
@@ -250,7 +250,7 @@ def test_lookup_proposes_what_followed_the_last_match():
 def test_a_sessions_first_draft_proposal_is_not_taken_as_the_drafts_cost(no_eos):
     # In a fresh process it pays the draft model's one-time work (4x a pass on this CPU):
     # taken as the draft's cost, auto priced drafting out and never drafted again.
-    from specmlx.speculative import _draft_passes
+    from specmlx.engine import _draft_passes
 
     session = specmlx.Session(no_eos["target"], no_eos["perturbed"])
     drafter, scheduler = session.drafter, session.scheduler("model")

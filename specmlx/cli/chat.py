@@ -84,8 +84,8 @@ def chat(
     target, drafter, timings = options.load_timed(model, draft, no_draft, dtype, note, cpu_weights)
 
     from ..caches import check_rollback
+    from ..engine import Session, Stats
     from ..loading import backend
-    from ..speculative import Session, Stats
 
     if num_draft != 0 and (drafter is not None or draft_mode != "model"):
         check_rollback(target, *([drafter] if drafter and draft_mode != "lookup" else []))
@@ -124,7 +124,7 @@ def chat(
 
 def reply(message, session, settings, convo, totals, out: Console, note) -> None:
     """One turn: encode the conversation, stream the reply, record it and its stats."""
-    from ..speculative import generate
+    from ..engine import generate
 
     target = session.target
     ids, text = conversation_ids(target.tokenizer, convo, message)

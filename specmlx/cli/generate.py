@@ -49,8 +49,8 @@ def generate(
     target, drafter, timings = options.load_timed(model, draft, no_draft, dtype, log, cpu_weights)
 
     from ..blas import blas_info
+    from ..engine import generate as run
     from ..loading import backend
-    from ..speculative import generate as run
 
     if not as_json:
         for line in report.startup_lines(target, drafter, timings, backend()):

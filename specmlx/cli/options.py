@@ -120,7 +120,7 @@ def load_timed(
         raise SpecmlxError(f"--cpu-weights must be one of {', '.join(CPU_WEIGHTS)}")
     t0 = time.perf_counter()
     before_main = time.time() - process_start()
-    from .. import speculative  # noqa: F401  (mlx-lm pulls in transformers: most of a cold start)
+    from .. import engine  # noqa: F401  (mlx-lm pulls in transformers: most of a cold start)
 
     import_s = time.perf_counter() - t0
     target, drafter = load_pair(model, draft, no_draft, dtype, log, cpu_weights)

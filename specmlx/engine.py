@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from .caches import check_rollback, make_cache, trim, unrollable
-from .drafters import LookupDrafter, ModelDrafter, point_mass, sync_cache
+from .caches import check_rollback, make_cache, sync_cache, trim, unrollable
+from .drafters import LookupDrafter, ModelDrafter, point_mass
 from .errors import SpecmlxError
 from .loading import Model, backend, check_pair
 from .sampling import SamplingParams
