@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import time
 from importlib import import_module
 
 import typer
@@ -14,9 +13,7 @@ except ImportError:  # pragma: no cover
     from click import exceptions as click_errors
 
 from ..errors import SpecmlxError
-
-# Stands in for the process start where /proc cannot tell it (see report.process_start).
-IMPORTED_AT = time.time()
+from . import started  # noqa: F401  (stamps the time report.process_start falls back on)
 
 app = typer.Typer(
     name="specmlx",

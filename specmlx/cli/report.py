@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import IMPORTED_AT
+from .started import IMPORTED_AT
 
 
 def process_start() -> float:

@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import SpecmlxError
-from .quantize import Source, SourceTensor
+from .source import Source, SourceTensor
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # Architectures whose q/k rows llama.cpp's converter permutes (HF rotary → GGML rotary).

@@ -28,6 +28,7 @@ from mlx.utils import tree_flatten
 
 from ..errors import SpecmlxError
 from . import shards
+from .source import Source, SourceTensor
 
 BITS = (2, 3, 4, 6, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -50,30 +51,6 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "generation_config.json",
 )
-
-
-@dataclass
-class SourceTensor:
-    """One tensor of the source under its mlx-lm name, readable a range of rows at a time."""
-
-    shape: tuple[int, ...]
-    nbytes: int  # bytes it occupies in the source (drives the progress bar)
-    read_rows: Callable[[int, int], mx.array]  # rows [start, stop) as a floating array
-    row_align: int = 1  # reads must start and stop on multiples of this (GGUF head blocks)
-
-
-@dataclass
-class Source:
-    """A checkpoint opened for streaming: config, tensors by mlx-lm name, tokenizer."""
-
-    location: str  # as the user gave it
-    path: Path  # the file or directory it resolved to
-    format: str  # "safetensors" or "gguf"
-    config: dict
-    tensors: dict[str, SourceTensor]
-    fingerprint: str  # sha256 of what identifies the source (see `fingerprint_of`)
-    fingerprint_of: str
-    write_tokenizer: Callable[[Path], None]
 
 
 @dataclass
