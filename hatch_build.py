@@ -1,7 +1,7 @@
-"""Hatchling build hook: compile specmlx/_native (the INT4 CPU kernel) on Linux x86_64.
+"""Hatchling build hook: compile specmlx/cpu/_native (the INT4 CPU kernel) on Linux x86_64.
 
 The package stays installable everywhere. On other platforms, or when the compile fails
-(no compiler, no cmake), the hook warns and the wheel is pure Python; specmlx.native then
+(no compiler, no cmake), the hook warns and the wheel is pure Python; specmlx.cpu.native then
 says why and falls back to mx.quantized_matmul. SPECMLX_BUILD_NATIVE=1 makes a failure
 fatal (CI), SPECMLX_BUILD_NATIVE=0 skips the build.
 
@@ -30,7 +30,7 @@ except ImportError:  # run as a script, outside a build
     BuildHookInterface = object
 
 ROOT = Path(__file__).resolve().parent
-NATIVE = ROOT / "specmlx" / "_native"
+NATIVE = ROOT / "specmlx" / "cpu" / "_native"
 BUILD_INFO = "_ext_build.json"
 
 
@@ -107,7 +107,7 @@ class NativeBuildHook(BuildHookInterface):
         build_data["infer_tag"] = True
         if version != "editable":
             for path in built:
-                build_data["force_include"][str(path)] = f"specmlx/_native/{path.name}"
+                build_data["force_include"][str(path)] = f"specmlx/cpu/_native/{path.name}"
 
 
 if __name__ == "__main__":

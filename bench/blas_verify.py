@@ -11,9 +11,9 @@ tokens on a 128-token KV cache, in these modes:
     int4-mx          mx.quantized_matmul (MLX's CPU kernel)
     int4-native-N    specmlx's native INT4 kernel with N threads, when built (one worker
                      per N: its thread pool is sized once)
-    fp32-netlib      INT4 expanded to float32 (specmlx.blas.expand_quantized), mlx's
+    fp32-netlib      INT4 expanded to float32 (specmlx.cpu.fp32.expand_quantized), mlx's
                      bundled reference BLAS
-    fp32-openblas-N  the same weights on OpenBLAS (specmlx.blas.activate), N threads
+    fp32-openblas-N  the same weights on OpenBLAS (specmlx.cpu.blas.activate), N threads
 
 A BLAS is chosen per process, so modes live in two worker processes (reference BLAS,
 OpenBLAS) that the parent drives one call at a time: every repetition runs every mode
@@ -61,7 +61,7 @@ STEP_TIMEOUT_S = 900  # a hung worker is reported, not waited for
 
 def worker(kind: str, size: str) -> None:
     """Build the models, then answer {"mode", "threads", "k"} lines with step times."""
-    from specmlx import blas
+    from specmlx.cpu import blas
 
     if kind == "openblas":
         why = blas.activate()  # before mlx is imported, so libmlx binds OpenBLAS
@@ -73,7 +73,8 @@ def worker(kind: str, size: str) -> None:
     from mlx_lm.models import qwen2
     from mlx_lm.models.cache import make_prompt_cache
 
-    from specmlx import native
+    from specmlx.cpu import native
+    from specmlx.cpu.fp32 import expand_quantized
 
     mx.set_default_device(mx.cpu)
     args = qwen2.ModelArgs.from_dict({**COMMON, **SIZES[size]})
@@ -98,7 +99,7 @@ def worker(kind: str, size: str) -> None:
     if kind in ("reference", "openblas"):
         fp32 = int4_model()
         fp32.update(base.parameters())
-        blas.expand_quantized(fp32)
+        expand_quantized(fp32)
         mx.eval(fp32.parameters())
         models["fp32-netlib" if kind == "reference" else "fp32-openblas"] = fp32
     del base
@@ -248,7 +249,7 @@ def main() -> None:
 
     threads = [int(n) for n in args.threads.split(",")]
     native_threads = [int(n) for n in args.native_threads.split(",") if n]
-    from specmlx import native
+    from specmlx.cpu import native
 
     if not native.available():
         log(f"native INT4 kernel unavailable ({native.reason()}): no int4-native rows")

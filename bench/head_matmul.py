@@ -19,7 +19,7 @@ median_ms = native_matmul.median_ms
 
 import mlx.core as mx  # noqa: E402
 
-from specmlx import blas, native  # noqa: E402
+from specmlx.cpu import blas, native  # noqa: E402
 
 
 def main() -> None:

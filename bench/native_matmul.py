@@ -10,7 +10,7 @@ on the CPU). Rows M = 1, 2, 4, 8 (decode and verify) and 32 (a prefill chunk). E
 is the median of several runs of one evaluated call, so MLX's per-call overhead is
 included, as it is in a model. Two alternatives are timed too: a float32 matmul on weights
 dequantized beforehand (the `--cpu-weights fp32` path; it uses OpenBLAS when
-specmlx.blas finds one, and 8x the memory), and for M = 32 dequantize + matmul per call
+specmlx.cpu.blas finds one, and 8x the memory), and for M = 32 dequantize + matmul per call
 (what large M would cost without the kernel).
 """
 
@@ -24,13 +24,13 @@ import sys
 import time
 from collections.abc import Callable
 
-from specmlx import blas
+from specmlx.cpu import blas
 
 blas.activate()  # before mlx is imported, so MLX's sgemm is OpenBLAS when there is one
 
 import mlx.core as mx  # noqa: E402
 
-from specmlx import native  # noqa: E402
+from specmlx.cpu import native  # noqa: E402
 
 SHAPES = {  # name: (N output features, K input features)
     "4096x4096": (4096, 4096),

@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
 
-from .blas import expand_quantized, pick_cpu_weights
+from . import cpu
 from .errors import SpecmlxError
 
 # Files a model needs; everything else in a hub repo (READMEs, GGUFs, ONNX) is skipped.
@@ -45,7 +45,7 @@ class Model:
     vocab_size: int  # tokens the tokenizer can produce; logits beyond it are padding
     dtype: str = "float32"
     info: dict = field(default_factory=dict)
-    # "fp32": INT4 weights expanded at load for a fast CPU BLAS (specmlx.blas); why it was chosen
+    # "int4", "fp32" (INT4 expanded at load for a fast BLAS, specmlx.cpu) or "dense"; and why
     weights: str = ""
     weights_why: str = ""
 
@@ -147,12 +147,12 @@ def load(
     """Load a model directory or hub id (dense or MLX-quantized) for generation.
 
     With `native`, INT4 layers run on specmlx's CPU kernel where it applies (see
-    specmlx.native; everything else, and the GPU, keeps mx.quantized_matmul).
+    specmlx.cpu.native; everything else, and the GPU, keeps mx.quantized_matmul).
     `tokenizer_from`: a loaded model whose tokenizer is reused when this one ships a
     byte-identical tokenizer.json (a draft of the same family); loading a 150k-token
     tokenizer takes 1-2 s, and a draft's tokenizer only serves its vocabulary.
     `cpu_weights` "fp32" expands INT4 weights to float32 for a fast BLAS, "int4" keeps
-    them, "auto" expands on CPU when a fast BLAS is active and memory allows (specmlx.blas).
+    them, "auto" keeps them where the native kernel runs (specmlx.cpu.fp32).
     """
     from mlx_lm.utils import load_model, load_tokenizer
 
@@ -167,15 +167,7 @@ def load(
         raise SpecmlxError(f"cannot build the model in {path}: {e}") from e
     chosen = pick_dtype(config, dtype)
     cast_floating(module, chosen)
-    weights, weights_why = pick_cpu_weights(module, cpu_weights, backend())
-    if native:
-        from .native import available as native_available
-        from .native import patch_model
-    if weights == "fp32":
-        # Before the native patch, which then takes only the 8-bit layers left packed.
-        expand_quantized(module, keep_bits=(8,) if native and native_available() else ())
-    if native:
-        patch_model(module)
+    weights, weights_why = cpu.prepare(module, cpu_weights, backend(), use_native=native)
     if not lazy:
         mx.async_eval(module.parameters())  # read the weights while the tokenizer loads
     t1 = time.perf_counter()

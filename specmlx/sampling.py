@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from .cpu import softmax
 from .errors import SpecmlxError
-from .native import softmax
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ def _root(
     no_fast_blas: bool = typer.Option(
         False,
         "--no-fast-blas",
-        help="Keep MLX's bundled BLAS; do not load OpenBLAS (also SPECMLX_FAST_BLAS=0).",
+        help="With --cpu-weights fp32: keep MLX's bundled BLAS, do not load OpenBLAS "
+        "(also SPECMLX_FAST_BLAS=0).",
     ),
 ) -> None:
     """Quantized speculative decoding on MLX."""
@@ -48,13 +49,20 @@ def _register(argv: list[str]) -> None:
         import_module(f".{name}", __name__)
 
 
+def asks_for_fp32(argv: list[str]) -> bool:
+    """Whether the command line asks for fp32 CPU weights. Read before typer parses it: the
+    fast BLAS those run on must be loaded before mlx is, and nothing else needs it."""
+    pairs = zip(argv, argv[1:], strict=False)
+    return "--cpu-weights=fp32" in argv or ("--cpu-weights", "fp32") in pairs
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: user errors become one line on stderr and a non-zero exit."""
     as_process = argv is None  # the process's own entry point, not a call from Python
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
-    if as_process:
-        from ..blas import setup_cli
+    if as_process and asks_for_fp32(argv):
+        from ..cpu import setup_cli
 
         # Before anything imports mlx: a fast BLAS must be in place when libmlx binds it.
         try:

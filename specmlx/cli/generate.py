@@ -48,7 +48,7 @@ def generate(
     log = (lambda msg: None) if as_json else (lambda msg: err.print(f"[dim]{msg}[/dim]"))
     target, drafter, timings = options.load_timed(model, draft, no_draft, dtype, log, cpu_weights)
 
-    from ..blas import blas_info
+    from ..cpu import blas_info
     from ..engine import generate as run
     from ..loading import backend
 

@@ -43,8 +43,9 @@ Dtype = typer.Option("auto", "--dtype", help="auto (float32 on CPU), float32, fl
 CpuWeights = typer.Option(
     "auto",
     "--cpu-weights",
-    help="CPU weights: int4 (as stored), fp32 (INT4 expanded at load: verify costs ~1 token "
-    "on a fast BLAS), auto (fp32 when a fast BLAS is active and memory allows).",
+    help="CPU weights: int4 (as stored), fp32 (INT4 expanded at load, on OpenBLAS loaded at "
+    "start-up for it), auto (int4 where specmlx's native kernel runs, else fp32 if a fast "
+    "BLAS is already loaded and memory allows).",
 )
 System = typer.Option(None, "--system", help="System prompt (uses the model's chat template).")
 
@@ -113,7 +114,7 @@ def load_timed(
     import_s (mlx, mlx-lm, transformers), weights_s, tokenizer_s (both models),
     cold_start_s (process start to both models ready).
     """
-    from ..blas import CPU_WEIGHTS
+    from ..cpu import CPU_WEIGHTS
     from .report import process_start
 
     if cpu_weights not in CPU_WEIGHTS:  # before the slow imports

@@ -79,7 +79,7 @@ def startup_lines(target, draft, timings: dict, backend: str) -> list[str]:
     else:
         lines.append("draft  none (plain decoding)")
     if backend == "cpu":
-        from ..native import describe
+        from ..cpu import describe
 
         lines.append(f"cpu    {cpu_path(target, draft)}")
         lines.append(f"int4   {describe()}")
@@ -88,8 +88,8 @@ def startup_lines(target, draft, timings: dict, backend: str) -> list[str]:
 
 
 def cpu_path(target, draft) -> str:
-    """Weights mode per model and the BLAS under MLX's dense matmuls (see specmlx.blas)."""
-    from ..blas import blas_info, describe
+    """Weights mode per model and the BLAS under MLX's dense matmuls (see specmlx.cpu.blas)."""
+    from ..cpu.blas import blas_info, describe
 
     info = blas_info()
     models = [("target", target), ("draft", draft)]
@@ -104,7 +104,7 @@ def cpu_path(target, draft) -> str:
 
 def cpu_tag(target) -> str:
     """cpu_path in a few words, for the per-reply stats line."""
-    from ..blas import blas_info
+    from ..cpu import blas_info
 
     info = blas_info()
     blas = info["name"].split(" (")[0].split()[0]  # "OpenBLAS", "reference", "Accelerate"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import specmlx
-from specmlx import native
+from specmlx.cpu import native
 
 needs_native = pytest.mark.skipif(
     not native.available(), reason=f"native kernel not available: {native.reason()}"
@@ -221,7 +221,7 @@ def test_missing_or_broken_build(tmp_path, monkeypatch):
     ext, why = native._load(tmp_path)
     assert ext is None and "not built" in why
     (tmp_path / native.BUILD_INFO).write_text(json.dumps({"mlx": mx.__version__}))
-    ext, why = native._load(tmp_path, module="specmlx._native._no_such_ext")
+    ext, why = native._load(tmp_path, module="specmlx.cpu._native._no_such_ext")
     assert ext is None and "failed to import" in why
     monkeypatch.setenv("SPECMLX_NATIVE", "0")
     assert native._load(tmp_path) == (None, "disabled by SPECMLX_NATIVE=0")

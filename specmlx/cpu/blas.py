@@ -1,24 +1,25 @@
-"""The memory-bound CPU path: a fast BLAS under MLX's CPU matmuls, and float32 weights for it.
+"""A fast BLAS under MLX's dense CPU matmuls, for the fp32 weights mode (see fp32.py).
 
-Why: MLX's CPU INT4 matmul costs about k times one token to verify k tokens, so
-speculation cannot pay. Dense float32 matmuls go to BLAS (`cblas_sgemm`), and with a
-real BLAS verifying 8 tokens costs about 1.2 times one: the memory-bound regime where
-speculation pays. But the `mlx[cpu]` wheel on Linux links the netlib reference BLAS
-(mlx_cpu.libs/libblas-*.so.3.10.0), which is 2-3x slower than OpenBLAS at one token and
-linear in k. So specmlx puts OpenBLAS in front of it:
+Why: the `mlx[cpu]` wheel on Linux links the netlib reference BLAS
+(mlx_cpu.libs/libblas-*.so.3.10.0), single-threaded and linear in the rows of a matmul, so
+float32 weights only pay on a real BLAS. specmlx puts OpenBLAS in front of it:
 
-    pip install 'specmlx[cpu-fast]'              # ngsolve-openblas: OpenBLAS 0.3.33, DYNAMIC_ARCH
+    pip install 'specmlx[cpu-fast]'              # ngsolve-openblas: DYNAMIC_ARCH OpenBLAS
     apt-get install libopenblas0-pthread         # or Debian/Ubuntu's OpenBLAS
     specmlx generate -m TARGET -d DRAFT --cpu-weights fp32 -p "..."
 
 How: libmlx.so binds `cblas_sgemm` when it is loaded, looking in the process's global
-scope before its own dependencies. So the CLI loads OpenBLAS with RTLD_GLOBAL before
-anything imports mlx (`activate`), and MLX's matmuls run on it with no environment
-tricks. When that cannot work in-process (mlx already imported, or OpenBLAS needs a
-libgfortran.so.5 the system lacks: the pip wheel links it, and mlx[cpu] bundles one under
-a hashed name), the CLI re-executes itself once with LD_PRELOAD (and LD_LIBRARY_PATH
-pointing at a link to mlx's libgfortran); SPECMLX_BLAS_REEXEC marks the child so it
-never loops. Library users call `specmlx.blas.activate()` before importing mlx.
+scope before its own dependencies. So when fp32 weights are asked for, the CLI loads
+OpenBLAS with RTLD_GLOBAL before anything imports mlx (`activate`), and MLX's matmuls run
+on it with no environment tricks. When that cannot work in-process (mlx already imported,
+or OpenBLAS needs a libgfortran.so.5 the system lacks: the pip wheel links it, and
+mlx[cpu] bundles one under a hashed name), the CLI re-executes itself once with
+LD_PRELOAD (and LD_LIBRARY_PATH pointing at a link to mlx's libgfortran);
+SPECMLX_BLAS_REEXEC marks the child so it never loops. Library users call
+`specmlx.cpu.blas.activate()` before importing mlx.
+
+This module does not import mlx (only `probe_gflops` does, when called): it must run
+before mlx is loaded.
 
 Knobs (environment):
     SPECMLX_FAST_BLAS=0     keep MLX's bundled BLAS (CLI: `specmlx --no-fast-blas ...`)
@@ -27,23 +28,14 @@ Knobs (environment):
                             scipy-openblas32/64 export `scipy_cblas_sgemm` and cannot)
     SPECMLX_THREADS=N       BLAS threads (shared with the native INT4 kernel)
     OPENBLAS_CORETYPE       left alone when set; else set from /proc/cpuinfo, because
-                            Debian's OpenBLAS 0.3.21 picks its slowest kernels (Prescott,
-                            5x slower prefill) on CPUs it does not know, as in many VMs
+                            Debian's OpenBLAS 0.3.21 picks its slowest kernels (Prescott)
+                            on CPUs it does not know, as in many VMs
 
-Threads: MLX runs each stream on one thread, and OpenBLAS adds its own. On a quiet
-2-core machine 2 BLAS threads doubled fp32 decode; with other processes busy, the spinning
-BLAS threads collapsed it 6x. So the default is deliberate: the CPUs this process may use
-minus the 1-minute load average (rounded, at least 1), and `blas_info()` reports the
-count and why. Set SPECMLX_THREADS for reproducible benchmarks.
-
-CPU weights: `expand_quantized` turns QuantizedLinear / QuantizedEmbedding (tied heads
-included) into float32 Linear / Embedding holding `mx.dequantize`d weights, lazily, so the
-packed weights are read and expanded layer by layer. `pick_cpu_weights` decides for
-`auto`: float32 on the CPU backend when a fast BLAS is active, no native INT4 kernel
-covers the layers, and params x 4 bytes x 1.3 fit in available memory, else the
-checkpoint's INT4. Float32 on OpenBLAS is flat in k (1.5B: T(8)/T(1) = 1.08), but the
-native INT4 kernel reads 8x fewer bytes and is faster at every k up to 8
-(bench/results/blas_verify.md; real 0.5B: 8.8 vs 2.3 tok/s decode).
+Threads: MLX runs each stream on one thread, and OpenBLAS adds its own, which spin while
+they wait: on a busy machine oversubscribed BLAS threads collapse throughput. So the
+default is the CPUs this process may use minus the 1-minute load average (rounded, at
+least 1), and `blas_info()` reports the count and why. Set SPECMLX_THREADS for
+reproducible benchmarks.
 """
 
 from __future__ import annotations
@@ -58,7 +50,8 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import SpecmlxError
+from ..errors import SpecmlxError
+from ..paths import home
 
 ENV_FAST = "SPECMLX_FAST_BLAS"
 ENV_NO_REEXEC = "SPECMLX_NO_REEXEC"
@@ -167,13 +160,11 @@ def _gfortran_dirs() -> list[Path]:
     """
     spec = importlib.util.find_spec("mlx")
     if spec is None or not spec.submodule_search_locations:
-        return None
+        return []
     bundled = Path(list(spec.submodule_search_locations)[0]).parent / "mlx_cpu.libs"
     copies = sorted(bundled.glob("libgfortran-*.so.5*"))
     if not copies:
         return []
-    from .paths import home
-
     folder = home() / "lib"
     link = folder / "libgfortran.so.5"
     if not (link.exists() and link.resolve() == copies[0].resolve()):
@@ -213,7 +204,8 @@ def activate(threads: int | None = None) -> str:
 
 
 def setup_cli(no_fast_blas: bool = False) -> None:
-    """At CLI start: put a fast BLAS under MLX, in-process or by re-executing once."""
+    """At CLI start, when fp32 weights are asked for: put a fast BLAS under MLX, in-process
+    or by re-executing once. INT4 weights never need it, so the CLI calls this only then."""
     if no_fast_blas:
         os.environ[ENV_FAST] = "0"  # so the stats say why, and a re-exec'd child agrees
     if os.environ.get(ENV_GUARD):
@@ -313,11 +305,8 @@ def set_threads(n: int) -> None:
 
 
 def probe_gflops(size: int = 256, reps: int = 3) -> float:
-    """GFLOP/s of a float32 matmul on the CPU: proof of what MLX actually runs.
-
-    The reference BLAS manages ~1 GFLOP/s here, OpenBLAS tens.
-    """
-    import mlx.core as mx
+    """GFLOP/s of a float32 matmul on the CPU: proof of what MLX actually runs."""
+    import mlx.core as mx  # here, not at the top: the module must load before mlx does
 
     a = mx.random.normal((size, size), stream=mx.cpu)
     b = mx.random.normal((size, size), stream=mx.cpu)
@@ -383,135 +372,5 @@ def describe(info: dict | None = None) -> str:
 
 
 def fast_blas_active() -> bool:
+    """Whether MLX's dense CPU matmuls run on a fast BLAS (OpenBLAS, Accelerate) here."""
     return bool(blas_info()["fast"])
-
-
-# ---- CPU weights ---------------------------------------------------------------------
-
-CPU_WEIGHTS = ("auto", "int4", "fp32")
-# Headroom over the float32 weights for activations, KV caches and the draft's share.
-MEMORY_MARGIN = 1.3
-
-
-def _is_quantized(layer) -> bool:
-    import mlx.nn as nn
-
-    return isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding))
-
-
-def dense_params(module) -> int:
-    """Parameter count, packed quantized weights counted as the values they hold."""
-    from mlx.utils import tree_flatten
-
-    layers = dict(module.named_modules())
-    total = 0
-    for path, value in tree_flatten(module.parameters()):
-        owner, _, name = path.rpartition(".")
-        layer = layers.get(owner)
-        if layer is not None and _is_quantized(layer):
-            if name == "weight":
-                total += value.size * 32 // layer.bits
-            elif name == "bias":
-                total += value.size
-            continue  # scales and biases are the quantization's, not the model's
-        total += value.size
-    return total
-
-
-def available_memory() -> int:
-    """Bytes a new allocation can get: MemAvailable on Linux, physical memory elsewhere."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def _native_covers(module) -> bool:
-    """Whether specmlx's native INT4 kernel would run this model's quantized layers."""
-    from . import native
-
-    return native.available() and any(
-        _is_quantized(m)
-        and m.bits == 4
-        and getattr(m, "mode", "affine") == "affine"
-        and m.group_size in native.GROUP_SIZES
-        for m in module.modules()
-    )
-
-
-def pick_cpu_weights(module, requested: str, backend: str) -> tuple[str, str]:
-    """('int4' or 'fp32', why) for a freshly built model.
-
-    'auto' expands to float32 only where it pays: the CPU backend, a fast BLAS under
-    MLX (else dense matmuls are the reference BLAS's, slower than INT4), no native INT4
-    kernel for these layers (it is faster still), and room for params x 4 bytes x
-    MEMORY_MARGIN in the memory available now.
-    """
-    if requested not in CPU_WEIGHTS:
-        raise SpecmlxError(
-            f"unknown CPU weights mode {requested!r}; use one of {', '.join(CPU_WEIGHTS)}"
-        )
-    if not any(_is_quantized(m) for m in module.modules()):
-        return "dense", "checkpoint is not quantized"
-    if requested != "auto":
-        return requested, "requested"
-    if backend != "cpu":
-        return "int4", f"backend is {backend}"
-    if not fast_blas_active():
-        return "int4", "no fast BLAS (see specmlx.blas)"
-    if _native_covers(module):
-        # Measured (bench/results/blas_verify.md): INT4 on the native kernel reads 8x fewer
-        # bytes and beats float32 on OpenBLAS at every k from 1 to 8.
-        return "int4", "native INT4 kernel is faster"
-    need = dense_params(module) * 4 * MEMORY_MARGIN
-    free = available_memory()
-    if need > free:
-        return "int4", f"float32 needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB available"
-    return "fp32", f"fast BLAS and {free / 2**30:.1f} GiB available"
-
-
-def expand_quantized(module, keep_bits: tuple[int, ...] = ()) -> int:
-    """Replace quantized layers by float32 Linear / Embedding; returns how many.
-
-    The new weights are lazy `mx.dequantize` of the packed ones, so nothing is computed
-    here: each is expanded when first evaluated, and the packed copy is freed once no
-    graph needs it. Tied heads work unchanged: Embedding.as_linear is a dense matmul.
-    Layers with `keep_bits` stay packed: specmlx's 8-bit embeddings and output heads, which
-    the native kernel runs 2-5x faster than OpenBLAS runs them in float32 at 1-8 rows
-    (bench/head_matmul.py), so the fp32 mode keeps them there.
-    """
-    import mlx.core as mx
-    import mlx.nn as nn
-    from mlx.utils import tree_map_with_path
-
-    def expands(layer) -> bool:
-        return _is_quantized(layer) and layer.bits not in keep_bits
-
-    def dense(_path: str, layer):
-        if not expands(layer):
-            return layer
-        weight = mx.dequantize(
-            layer["weight"],
-            layer["scales"],
-            layer.get("biases"),
-            group_size=layer.group_size,
-            bits=layer.bits,
-            mode=getattr(layer, "mode", "affine"),
-        ).astype(mx.float32)
-        if isinstance(layer, nn.QuantizedEmbedding):
-            new = nn.Embedding(1, 1)  # 1x1: its random init costs nothing; replaced below
-        else:
-            new = nn.Linear(1, 1, bias="bias" in layer)
-            if "bias" in layer:
-                new.bias = layer["bias"].astype(mx.float32)
-        new.weight = weight
-        return new
-
-    count = sum(1 for m in module.modules() if expands(m))
-    if count:
-        leaves = tree_map_with_path(dense, module.leaf_modules(), is_leaf=nn.Module.is_module)
-        module.update_modules(leaves)
-    return count

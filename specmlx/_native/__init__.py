@@ -1,1 +1,0 @@
-"""Native INT4 CPU kernel (C++ MLX extension); use it through specmlx.native."""

@@ -1,0 +1,67 @@
+"""The CPU backend: specmlx's native INT4/INT8 kernel, and the fp32 weights mode on a fast BLAS.
+
+    native.py   the C++ extension's ops (INT4/INT8 matmul, row softmax), their fallbacks
+                to MLX, and `patch_model`, which routes quantized layers through them
+    fp32.py     the fp32 weights mode: INT4 expanded to float32 at load, and the auto choice
+    blas.py     finding a fast BLAS and putting it under MLX before mlx is loaded
+
+`specmlx.load` calls `prepare` once per model. The CLI calls `setup_cli` at start-up, and
+only when fp32 weights are asked for: INT4 weights never touch the BLAS's hot path.
+
+Importing this package does not import mlx, so that `setup_cli` can run before libmlx binds
+its BLAS; the names that need mlx load on first use.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+from ..errors import SpecmlxError
+from .blas import blas_info, setup_cli
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
+
+    from .native import available, describe, softmax
+
+__all__ = ["CPU_WEIGHTS", "available", "blas_info", "describe", "prepare", "setup_cli", "softmax"]
+
+# What `--cpu-weights` accepts: auto (see fp32.pick_cpu_weights), int4 as stored, or fp32.
+CPU_WEIGHTS = ("auto", "int4", "fp32")
+
+_LAZY = {"available": "native", "describe": "native", "softmax": "native"}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'specmlx.cpu' has no attribute {name!r}")
+    value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def prepare(
+    module: nn.Module, cpu_weights: str, backend: str, use_native: bool = True
+) -> tuple[str, str]:
+    """Make a freshly built model (floating parameters already cast) ready for the CPU:
+    choose its weights mode, expand INT4 to float32 in the fp32 mode, and with
+    `use_native` route the layers left quantized through the native kernel.
+
+    Returns (mode, why): mode 'int4', 'fp32', or 'dense' for an unquantized checkpoint.
+    On the GPU nothing is patched (the kernel is CPU-only) and 'auto' keeps INT4.
+    """
+    if cpu_weights not in CPU_WEIGHTS:
+        raise SpecmlxError(
+            f"unknown CPU weights mode {cpu_weights!r}; use one of {', '.join(CPU_WEIGHTS)}"
+        )
+    from . import fp32, native
+
+    mode, why = fp32.pick_cpu_weights(module, cpu_weights, backend, use_native)
+    if mode == "fp32":
+        # Before the native patch, which then takes only the 8-bit layers left packed.
+        keep = (8,) if use_native and native.available() else ()
+        fp32.expand_quantized(module, keep_bits=keep)
+    if use_native:
+        native.patch_model(module)
+    return mode, why
