@@ -1,4 +1,4 @@
-"""Replay the γ policy (specmlx.schedule.Scheduler, the real class) on synthetic texts.
+"""Replay the γ policy (specmlx.policy.choice.Scheduler, the real class) on synthetic texts.
 
 A bench run on this CPU takes minutes per prompt and varies ±15% between identical runs,
 so it cannot tell a 3% policy change from noise. This script can: it runs the scheduler
@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
 
-from specmlx.schedule import Costs, Scheduler
+from specmlx.policy.choice import Scheduler
+from specmlx.policy.costs import Costs
 
 # Costs as ratios to one plain target step T(1): draft pass c, T(k)/T(1) = 1 + slope·(k-1).
 PROFILES = {

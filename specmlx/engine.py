@@ -1,10 +1,11 @@
-"""Speculative decoding: the round loop, cache rollback, stop conditions and statistics.
+"""The engine: speculative rounds, rollback, stop conditions, statistics.
 
-One round: the drafter proposes g tokens; the target runs ONE forward pass over
-[last emitted token, d_1..d_g] and yields g+1 distributions; accept/reject on the
-device; both caches are trimmed back to the accepted prefix. With no drafter it is
+One round: the policy plans (which drafter, how many drafts); the drafter proposes g
+tokens with their q; the target runs ONE forward pass over [last emitted token, d_1..d_g]
+and yields g+1 distributions; accept/reject on the device; the caches commit the
+accepted prefix; the policy and the statistics observe the round. With no drafter it is
 plain autoregressive decoding of the target, the baseline everything is measured
-against, sampled through the very same code (so greedy outputs must match exactly).
+against, sampled through the very same code (so greedy outputs match exactly).
 """
 
 from __future__ import annotations
@@ -14,15 +15,16 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 import mlx.core as mx
-import numpy as np
 
 from .caches import check_rollback, make_cache, sync_cache, trim, unrollable
-from .drafters import LookupDrafter, ModelDrafter, point_mass
+from .drafters import CostProbe, Drafter, LookupDrafter, ModelDrafter
 from .errors import SpecmlxError
 from .loading import Model, backend, check_pair
+from .policy import AutoGamma, FixedGamma, Policy, Round, load_costs, save_costs
+from .policy.choice import Scheduler
 from .sampling import SamplingParams
-from .schedule import Scheduler, load_costs, save_costs
-from .verify import make_sampler, make_verifier, top_probabilities, top_probability
+from .settings import check_settings
+from .verify import make_sampler, make_verifier
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,28 @@ class Stats:
     def prefill_tps(self) -> float:
         return self.prefill_tokens / self.prefill_time if self.prefill_time else 0.0
 
+    def add_round(self, r: Round) -> None:
+        """Count a finished round (the engine's one observer of its own timing)."""
+        self.target_passes += 1
+        self.rounds_by_gamma[r.drafted] = self.rounds_by_gamma.get(r.drafted, 0) + 1
+        self.rounds_by_source[r.source] = self.rounds_by_source.get(r.source, 0) + 1
+        self.verify_time += r.verify_s
+        if r.plan.predicted_tps:
+            self.predicted_tps = r.plan.predicted_tps
+        if r.proposal is None:
+            return
+        self.draft_time += r.draft_s
+        self.prefill_time += r.proposal.prompt_s
+        self.drafted += r.drafted
+        self.accepted += r.accepted
+        self.cut_short += r.drafted < r.asked
+        while len(self.drafted_by_position) < r.drafted:
+            self.drafted_by_position.append(0)
+            self.accepted_by_position.append(0)
+        for i in range(r.drafted):
+            self.drafted_by_position[i] += 1
+            self.accepted_by_position[i] += i < r.accepted
+
     def to_dict(self) -> dict:
         out = asdict(self)
         out.update(
@@ -99,11 +123,8 @@ def encode_prompt(model: Model, prompt: str | list[int]) -> list[int]:
     return ids
 
 
-DRAFT_MODES = ("model", "lookup", "auto")
-
-
 class Session:
-    """Both models' KV caches, kept across generate() calls.
+    """Both models' caches, kept across generate() calls, and what the γ policy learnt.
 
     Pass the whole conversation each time: only the tokens after the longest prefix
     already in the caches are prefilled, so a chat turn costs its new tokens only.
@@ -116,15 +137,19 @@ class Session:
         self.target = target
         self.draft = draft
         self.max_gamma = max_gamma
-        self.cache = make_cache(target.module)
-        self.cached: list[int] = []  # tokens whose KV entries are in the target cache
-        self.drafter = ModelDrafter(draft) if draft is not None else None
         self._schedulers: dict[str, Scheduler] = {}
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the conversation (both caches); keep the models and what was measured."""
+        self.cache = make_cache(self.target.module)
+        self.cached: list[int] = []  # tokens whose entries are in the target cache
+        self.drafter = ModelDrafter(self.draft) if self.draft is not None else None
 
     @property
     def cost_key(self) -> str:
         """Costs depend on both models, their dtype and the backend (and its kernels)."""
-        from .native import describe
+        from .cpu import describe
 
         def model(m: Model | None) -> str:
             return f"{m.path}:{m.dtype}:{m.weights or 'as stored'}" if m else "-"
@@ -150,9 +175,6 @@ class Session:
     def vocab_size(self) -> int:
         sizes = [self.target.vocab_size] + ([self.draft.vocab_size] if self.draft else [])
         return min(sizes)
-
-    def reset(self) -> None:
-        self.__init__(self.target, self.draft)
 
 
 class Generation:
@@ -210,32 +232,22 @@ def generate(
     draft_mode: "model" (the draft model), "lookup" (prompt n-gram lookup, no draft
     model needed) or "auto" (lookup when the context has a match, else the model).
     """
-    params = SamplingParams(temperature, top_p, top_k)
-    if max_tokens < 1:
-        raise SpecmlxError(f"max_tokens must be >= 1, got {max_tokens}")
-    if num_draft != "auto" and (
-        isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 0
-    ):
-        raise SpecmlxError(
-            f"num_draft (gamma) must be 'auto' or an integer >= 0, got {num_draft!r}"
-        )
-    if draft_mode not in DRAFT_MODES:
-        raise SpecmlxError(
-            f"draft mode must be one of {', '.join(DRAFT_MODES)}, got {draft_mode!r}"
-        )
+    params, num_draft = check_settings(max_tokens, temperature, top_p, top_k, num_draft, draft_mode)
     if session is None:
         session = Session(target, draft)
     elif session.target is not target or (draft is not None and session.draft is not draft):
         raise SpecmlxError("this session was made for other models; make a new Session")
-    if num_draft != 0 and (draft_mode != "model" or session.draft is not None):
-        check_rollback(
-            target, *([session.draft] if session.draft and draft_mode != "lookup" else [])
-        )
     ids = encode_prompt(target, prompt)
+    policy, drafters = _policy(session, params, num_draft, draft_mode)
+    if drafters:
+        check_rollback(target, *(d.model for d in drafters if isinstance(d, ModelDrafter)))
+    else:
+        num_draft = 0
 
     def steps(gen: Generation) -> Iterator[Step]:
+        gen.stats.gamma, gen.stats.draft_mode = num_draft, draft_mode
         try:
-            yield from _decode(session, ids, params, max_tokens, num_draft, draft_mode, seed, gen)
+            yield from _decode(session, ids, params, max_tokens, seed, policy, drafters, gen)
         except GeneratorExit:  # closed between steps: the caches hold what was emitted
             raise
         except BaseException:
@@ -248,220 +260,122 @@ def generate(
     return Generation(steps)
 
 
+def _policy(
+    session: Session, params: SamplingParams, gamma: int | str, draft_mode: str
+) -> tuple[Policy, list[Drafter]]:
+    """The γ policy for this call, and every drafter that must follow the text."""
+    vocab, sampled = session.vocab_size, not params.greedy
+    model = session.drafter if draft_mode != "lookup" else None
+    lookup = LookupDrafter(vocab, sampled) if draft_mode != "model" else None
+    if gamma == 0 or (model is None and lookup is None):
+        return FixedGamma(0, None, None), []
+    drafters: list[Drafter] = [d for d in (model, lookup) if d is not None]
+    if gamma != "auto":
+        return FixedGamma(gamma, model, lookup), drafters
+    probe = CostProbe(vocab, sampled)
+    schedulers = {"model": session.scheduler("model"), "lookup": session.scheduler("lookup")}
+    policy = AutoGamma(schedulers, model, lookup, probe, vocab, sampled, session.save_costs)
+    return policy, [*drafters, probe]
+
+
 def _decode(
     session: Session,
     ids: list[int],
     params: SamplingParams,
     max_tokens: int,
-    gamma: int | str,
-    draft_mode: str,
     seed: int,
+    policy: Policy,
+    drafters: list[Drafter],
     gen: Generation,
 ) -> Iterator[Step]:
-    target, cache, cached = session.target, session.cache, session.cached
-    model_drafter = session.drafter if draft_mode != "lookup" else None
-    lookup = LookupDrafter(ids) if draft_mode != "model" else None
-    speculate = gamma != 0 and (model_drafter is not None or lookup is not None)
-    vocab = session.vocab_size
-    stats = gen.stats
-    stats.gamma = gamma if speculate else 0
-    stats.draft_mode = draft_mode
+    target, cache, cached, stats = session.target, session.cache, session.cached, gen.stats
     stats.prompt_tokens = len(ids)
     start = time.perf_counter()
     stats.prefill_tokens = sync_cache(target, cache, cached, ids[:-1])
-    if model_drafter is not None and speculate:
-        model_drafter.prefill(ids)
-        if gamma != "auto":
-            model_drafter.catch_up()  # it will draft: take its prompt now, as prefill
+    for drafter in drafters:
+        drafter.start(ids)
     stats.prefill_time = time.perf_counter() - start
-    if gamma == "auto":
-        for source in ("model", "lookup"):
-            session.scheduler(source).start_call(sampled=not params.greedy)
-    verify = make_verifier(params, vocab)
-    draw = make_sampler(params, vocab)
-    # Plain rounds show the γ policy how sure the target is: its forecast of acceptance.
-    watching = session.scheduler("model") if gamma == "auto" and model_drafter else None
-    scratch = np.empty(vocab, np.float32) if watching is not None else None
-    eos = target.tokenizer.eos_token_ids
-    detok = target.tokenizer.detokenizer
-    key = mx.random.key(seed)
-    last = ids[-1]
-    block = []
-    prompt_pending = model_drafter is not None and gamma == "auto"  # draft prompt not fed yet
-    decode_start = time.perf_counter()
-    not_decode = 0.0  # the draft's prompt prefill when auto γ starts drafting mid-decode
+    verify = make_verifier(params, session.vocab_size)
+    draw = make_sampler(params, session.vocab_size)
+    text = _Text(target.tokenizer)
+    key, last = mx.random.key(seed), ids[-1]
+    decode_start, prompt_s = time.perf_counter(), 0.0
 
     while stats.tokens < max_tokens:
         key, round_key = mx.random.split(key)
         t0 = time.perf_counter()
-        source, g, scheduler, found = _plan_round(
-            session, gamma, model_drafter, lookup, stats, max_tokens - stats.tokens
-        )
+        plan = policy.plan(max_tokens - stats.tokens)
         # Never draft past max_tokens: a fully accepted round emits g + 1 tokens.
-        g = min(g, max_tokens - stats.tokens - 1) if speculate else 0
-        caught_up = False  # this round's draft time includes tokens decoded before it
-        tops = None  # the target's top probability at each judged model draft (auto)
-        draft_tops: list[float] = []  # the draft's own, at each of its drafts (auto)
-        if g > 0:
-            draft_key, verify_key = mx.random.split(round_key)
-            if source == "model":
-                if prompt_pending:  # the draft's prompt is prefill, not decode, time
-                    prompt_part = len(model_drafter.pending) - stats.tokens
-                    fed = model_drafter.catch_up()
-                    prompt_pending = False
-                    caught_up = fed > prompt_part
-                    moved = (time.perf_counter() - t0) * min(prompt_part, fed) / max(fed, 1)
-                    stats.prefill_time += moved
-                    not_decode += moved
-                    t0 += moved
-                # auto: the draft's own confidence may end the round early
-                go_on = (
-                    None if scheduler is None else _stop_rule(scheduler, draft_tops, vocab, scratch)
-                )
-                draft_tokens, q = model_drafter.propose(g, draft_key, draw, go_on)
-                stats.cut_short += draft_tokens.shape[0] < g
-                g = draft_tokens.shape[0]
-            else:  # lookup, or a cost probe's free guesses (the last token repeated)
-                draft_tokens = mx.array((found[:g] + [last] * g)[:g], mx.uint32)
-                q = None if params.greedy else point_mass(draft_tokens, vocab)
-                if source == "probe" and session.drafter and not scheduler.free_drafts:
-                    # Re-time the draft too: a figure taken in a burst of load must not
-                    # keep it out for good (these probes never run the draft otherwise).
-                    scheduler.costs.observe_draft(session.drafter.time_pass())
-            mx.eval(draft_tokens, q)
-            t1 = time.perf_counter()
-            x = mx.concatenate([mx.array([last], mx.uint32), draft_tokens])
+        asked = min(plan.gamma, max_tokens - stats.tokens - 1)
+        proposal = None
+        if asked > 0:
+            draft_key, round_key = mx.random.split(round_key)
+            proposal = plan.drafter.propose(asked, draft_key, draw, plan.go_on)
+            mx.eval(proposal.tokens, proposal.q)
+            prompt_s += proposal.prompt_s
+        t1 = time.perf_counter()
+        if proposal is not None:
+            x = mx.concatenate([mx.array([last], mx.uint32), proposal.tokens])
             logits = target.module(x[None], cache=cache)[0]
-            n, token, p = verify(logits, q, draft_tokens, verify_key)
-            mx.eval(n, token)  # the one host sync of the round
-            n, token = n.item(), token.item()
-            if scheduler is not None and source == "model":  # calibrates the forecast
-                tops = top_probabilities(logits, p, min(n + 1, g), vocab, scratch)
-            drafts = draft_tokens.tolist()
-            trim(cache, g - n)
-            stats.draft_time += t1 - t0
-            stats.drafted += g
-            stats.accepted += n
-            _count_positions(stats, g, n)
+            n, token, probs = verify(logits, proposal.q, proposal.tokens, round_key)
         else:
-            source, t1 = "plain", t0
             logits = target.module(mx.array([[last]], mx.uint32), cache=cache)[0, -1:]
-            probs, token = draw(logits, round_key)
-            n, token, drafts = 0, token.item(), []
-            if watching is not None and stats.tokens > 0:  # a reply's first token is no
-                # sign of its text: it follows the chat template's header (opening_agreement.md)
-                watching.observe_confidence(top_probability(logits, probs, vocab, scratch))
+            (probs, token), n = draw(logits, round_key), mx.array(0)
+        mx.eval(n, token)  # the one host sync of the round
+        n, token = n.item(), token.item()
         t2 = time.perf_counter()
-        stats.verify_time += t2 - t1
-        stats.target_passes += 1
-        stats.rounds_by_gamma[g] = stats.rounds_by_gamma.get(g, 0) + 1
-        stats.rounds_by_source[source] = stats.rounds_by_source.get(source, 0) + 1
-        if scheduler is not None:
-            draft_s = None if source == "probe" else t1 - t0
-            passes = None if caught_up else _draft_passes(source, g, model_drafter, scheduler)
-            judged = draft_tops[: min(n + 1, g)]
-            scheduler.record(g, n, t2 - t1, draft_s, passes, tops, judged)
-        cached += [last] + drafts[:n]
-        block = drafts[:n] + [token]
-        if model_drafter is not None and source == "model":
-            model_drafter.rollback(g, n, drafts, block)
-        elif session.drafter is not None:
-            session.drafter.pending += block  # the draft model sat out: it catches up later
-        if lookup is not None:
-            lookup.extend(block)
+        drafts = proposal.tokens.tolist() if proposal is not None else []
+        trim(cache, len(drafts) - n)
+        cached += [last, *drafts[:n]]
+        emitted = [*drafts[:n], token]
+        for drafter in drafters:
+            drafter.commit(proposal if drafter is plan.drafter else None, n, emitted)
+        source = plan.drafter.name if proposal is not None else "plain"
+        draft_s = t1 - t0 - (proposal.prompt_s if proposal is not None else 0.0)
+        done = Round(plan, source, asked, len(drafts), n, draft_s, t2 - t1, proposal, logits, probs)
+        stats.add_round(done)
+        policy.observe(done)
         last = token
-        for i, t in enumerate(block):
-            if t in eos:
-                stats.finish_reason = "eos"
-                break
-            detok.add_token(t)
+        for step in text.steps(emitted, n, max_tokens - stats.tokens):
             stats.tokens += 1
             if stats.tokens == 1:
                 stats.ttft = time.perf_counter() - start
-            if stats.tokens == max_tokens or (i + 1 < len(block) and block[i + 1] in eos):
-                detok.finalize()  # known to be the last token: flush held-back bytes
-            yield Step(t, detok.last_segment, i < n)
-            if stats.tokens == max_tokens:
-                break
-        stats.decode_time = time.perf_counter() - decode_start - not_decode
-        if stats.finish_reason:
+            yield step
+        stats.decode_time = time.perf_counter() - decode_start - prompt_s
+        if text.ended:
+            stats.finish_reason = "eos"
             break
     stats.finish_reason = stats.finish_reason or "length"
-    if gamma == "auto":
-        session.save_costs()
-    if stats.finish_reason == "eos" and block[0] in eos:
-        # EOS opened a round: the previous token was yielded before we knew it was last.
-        detok.finalize()
-        gen.text += detok.last_segment
+    policy.finish()
+    gen.text += text.flush()
 
 
-def _plan_round(
-    session: Session,
-    gamma: int | str,
-    model_drafter: ModelDrafter | None,
-    lookup: LookupDrafter | None,
-    stats: Stats,
-    remaining: int,
-) -> tuple[str, int, Scheduler | None, list[int]]:
-    """Which drafts to use this round, how many, the scheduler that learns from it, and
-    what lookup found (one scan of the history: a shorter proposal is its prefix)."""
-    longest = max(session.max_gamma, gamma if gamma != "auto" else 0)
-    found = lookup.find(longest) if lookup is not None else []
-    if lookup is not None and (model_drafter is None or found):
-        source = "lookup"
-    elif model_drafter is not None:
-        source = "model"
-    else:
-        return "plain", 0, None, found
-    if gamma != "auto":
-        # lookup proposes only what the context offers
-        return source, len(found[:gamma]) if source == "lookup" else gamma, None, found
-    scheduler = session.scheduler(source)
-    choice = scheduler.choose(remaining)
-    stats.predicted_tps = choice.predicted_tps
-    if choice.cost_probe:
-        return "probe", choice.gamma, scheduler, found
-    if source == "lookup":
-        return source, len(found[: choice.gamma]), scheduler, found
-    return source, choice.gamma, scheduler, found
+class _Text:
+    """The text of emitted tokens, streamed: ends at EOS (never emitted), and flushes the
+    detokenizer's held-back bytes as soon as a token is known to be the last."""
 
+    def __init__(self, tokenizer):
+        self.eos = tokenizer.eos_token_ids
+        self.detok = tokenizer.detokenizer
+        self.ended = False
+        self.flushed = False
 
-def _stop_rule(scheduler: Scheduler, draft_tops: list[float], vocab: int, scratch: np.ndarray):
-    """An auto round's `go_on` for ModelDrafter.propose: keeps the draft's top probability
-    at each draft in `draft_tops` and asks the scheduler whether to make another."""
+    def steps(self, block: list[int], accepted: int, room: int) -> Iterator[Step]:
+        """Steps for a round's `block` (its first `accepted` were drafts), at most `room`."""
+        for i, token in enumerate(block[:room]):
+            if token in self.eos:
+                self.ended = True
+                return
+            self.detok.add_token(token)
+            if i + 1 == room or (i + 1 < len(block) and block[i + 1] in self.eos):
+                self.detok.finalize()  # known to be the last token
+                self.flushed = True
+            yield Step(token, self.detok.last_segment, i < accepted)
 
-    def go_on(logits: mx.array, probs: mx.array | None) -> bool:
-        draft_tops.append(top_probability(logits, probs, vocab, scratch))
-        return scheduler.keep_drafting(draft_tops)
-
-    return go_on
-
-
-def _draft_passes(
-    source: str, g: int, drafter: ModelDrafter | None, scheduler: Scheduler
-) -> float | None:
-    """How many one-token draft passes this round's draft time stands for, or None when
-    it is no clean figure of one: a first pass that also fed a long backlog, or a
-    Session's first proposal. In a fresh process that one pays the draft model's one-time
-    work (its first one-token pass: 250-280 ms against 67 ms after, on this CPU); taken as the
-    draft's cost, it put the 0.5B draft at 0.8-1.0 of the 1.5B target's T(1), where it is
-    0.45, and auto never drafted again in that process, code included."""
-    if source != "model":
-        return g
-    if drafter.proposals == 1:
-        return None
-    if drafter.backlog == 0:
-        return g
-    if drafter.backlog == 1:  # after a fully accepted round: its last draft rode along
-        two = scheduler.costs.ratio(2)  # priced on the target's curve, the same shape
-        return g - 1 + two if two else None
-    return None
-
-
-def _count_positions(stats: Stats, g: int, n: int) -> None:
-    while len(stats.drafted_by_position) < g:
-        stats.drafted_by_position.append(0)
-        stats.accepted_by_position.append(0)
-    for i in range(g):
-        stats.drafted_by_position[i] += 1
-        stats.accepted_by_position[i] += i < n
+    def flush(self) -> str:
+        """What the detokenizer still held when EOS opened a round: the token before it
+        was streamed before anyone knew it was the last."""
+        if self.flushed:
+            return ""
+        self.detok.finalize()
+        return self.detok.last_segment

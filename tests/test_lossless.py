@@ -102,7 +102,7 @@ def test_rounds_the_drafts_confidence_ends_early_keep_the_target_distribution(no
     # depends on the draft's own samples. Forced here: every round asks for 3 drafts and
     # stops after the second whenever the draft's top probability there (which depends
     # on the first draft's sample) is below 0.18, about half the time on this pair.
-    from specmlx.schedule import Choice, Scheduler
+    from specmlx.policy.choice import Choice, Scheduler
 
     stops = []
 

@@ -242,26 +242,37 @@ def test_greedy_with_auto_gamma_equals_greedy_target(no_eos):
 def test_lookup_proposes_what_followed_the_last_match():
     from specmlx.drafters import LookupDrafter
 
-    drafter = LookupDrafter([1, 2, 3, 4, 5, 9, 2, 3])
+    drafter = LookupDrafter(16, sampled=False)
+    drafter.start([1, 2, 3, 4, 5, 9, 2, 3])
     assert drafter.find(2) == [4, 5]  # the 2-gram [2, 3] was followed by 4, 5
-    assert LookupDrafter([1, 2, 3]).find(4) == []
+    drafter.commit(None, 0, [4])  # the text moved on: [3, 4] was followed by 5
+    assert drafter.find(4) == [5, 9, 2, 3]
+    drafter.start([1, 2, 3])
+    assert drafter.find(4) == []
 
 
 def test_a_sessions_first_draft_proposal_is_not_taken_as_the_drafts_cost(no_eos):
     # In a fresh process it pays the draft model's one-time work (4x a pass on this CPU):
     # taken as the draft's cost, auto priced drafting out and never drafted again.
-    from specmlx.engine import _draft_passes
+    from specmlx.drafters import CostProbe, LookupDrafter
+    from specmlx.policy import AutoGamma
 
     session = specmlx.Session(no_eos["target"], no_eos["perturbed"])
-    drafter, scheduler = session.drafter, session.scheduler("model")
-    drafter.prefill([1, 2, 3, 4])
-    drafter.catch_up()  # no backlog: a clean figure but for being the first
+    drafter = session.drafter
+    schedulers = {s: session.scheduler(s) for s in ("model", "lookup")}
+    vocab = session.vocab_size
+    policy = AutoGamma(
+        schedulers, drafter, LookupDrafter(vocab, False), CostProbe(vocab, False), vocab, False
+    )
+    policy.scheduler = schedulers["model"]
+    drafter.start([1, 2, 3, 4])
+    greedy = lambda logits, key: (None, logits.argmax(-1))  # noqa: E731
     for expected in (None, 3):
-        tokens, _ = drafter.propose(
-            3, mx.random.key(0), lambda logits, key: (None, logits.argmax(-1))
-        )
-        assert _draft_passes("model", 3, drafter, scheduler) == expected
-        drafter.rollback(3, 1, tokens.tolist(), tokens.tolist()[:2])
+        proposal = drafter.propose(3, mx.random.key(0), greedy)
+        assert proposal.fed == 0  # no backlog: a clean figure but for being the first
+        assert policy._passes(proposal, 3) == expected
+        drafts = proposal.tokens.tolist()
+        drafter.commit(proposal, 1, drafts[:2])
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -271,7 +282,7 @@ def test_auto_calibrates_on_the_targets_confidence_at_each_judged_draft(
     # The γ policy learns how the target's top probability forecasts acceptance from the
     # verify pass itself: one top per draft the target ruled on, each the top of the
     # distribution it judged with (processed at T > 0; the plain softmax greedy).
-    from specmlx.schedule import Scheduler
+    from specmlx.policy.choice import Scheduler
 
     monkeypatch.setenv("SPECMLX_HOME", str(tmp_path))  # no costs yet: the first rounds draft
     seen = []
@@ -296,14 +307,14 @@ def test_auto_calibrates_on_the_targets_confidence_at_each_judged_draft(
 def test_timing_a_draft_pass_leaves_its_cache_as_it_was(no_eos):
     session = specmlx.Session(no_eos["target"], no_eos["perturbed"])
     drafter = session.drafter
-    drafter.prefill([1, 2, 3, 4, 5])
-    drafter.catch_up()
+    drafter.start([1, 2, 3, 4, 5])
+    drafter._feed(4)
     offset = drafter.cache[0].offset
-    assert drafter.time_pass() > 0
+    drafter.time_pass()
     assert drafter.cache[0].offset == offset
     fresh = specmlx.Session(no_eos["target"], no_eos["perturbed"]).drafter
-    fresh.prefill([1, 2, 3, 4, 5])
-    fresh.catch_up()
+    fresh.start([1, 2, 3, 4, 5])
+    fresh._feed(4)
     x = mx.array([[5]], mx.uint32)
     after = drafter.model.module(x, cache=drafter.cache)
     assert mx.allclose(after, fresh.model.module(x, cache=fresh.cache), atol=1e-5)
@@ -333,7 +344,7 @@ def test_auto_ends_a_round_where_the_draft_turns_unsure_and_stays_exact(
     no_eos, monkeypatch, tmp_path
 ):
     # The stop reads the draft's side only: greedy output is still the target's own.
-    from specmlx.schedule import Scheduler
+    from specmlx.policy.choice import Scheduler
 
     monkeypatch.setenv("SPECMLX_HOME", str(tmp_path))  # no costs yet: the first rounds draft
     monkeypatch.setattr(Scheduler, "keep_drafting", lambda s, draft_tops: False)
@@ -352,7 +363,7 @@ def test_auto_shows_the_stop_rule_and_the_calibration_the_drafts_own_confidence(
 ):
     # After each draft the stop rule sees the draft's top probability at every draft so
     # far; the calibration then learns from those the target judged.
-    from specmlx.schedule import Scheduler
+    from specmlx.policy.choice import Scheduler
 
     monkeypatch.setenv("SPECMLX_HOME", str(tmp_path))
     asked, recorded = [], []

@@ -257,7 +257,7 @@ def run_command(line: str, session, settings: Settings, convo, totals, note) -> 
 
 def change_setting(arg: str, settings: Settings, convo: Conversation, note) -> None:
     """`/set NAME VALUE`, validated the same way as the command-line flags."""
-    from ..sampling import SamplingParams
+    from ..settings import check_settings, parse_gamma
 
     if not arg:
         shown = {
@@ -281,7 +281,7 @@ def change_setting(arg: str, settings: Settings, convo: Conversation, note) -> N
     if not value:
         raise SpecmlxError(f"/set {name} needs a value")
     if name == "gamma":
-        settings.gamma = options.parse_gamma(value)
+        settings.gamma = parse_gamma(value)
     else:
         kind = float if name in ("temperature", "top_p") else int
         try:
@@ -289,9 +289,14 @@ def change_setting(arg: str, settings: Settings, convo: Conversation, note) -> N
         except ValueError:
             raise SpecmlxError(f"/set {name}: {value!r} is not a {kind.__name__}") from None
         changed = replace(settings, **{name: number})
-        SamplingParams(changed.temperature, changed.top_p, changed.top_k)  # raises if invalid
-        if changed.max_tokens < 1:
-            raise SpecmlxError(f"max_tokens must be >= 1, got {number}")
+        check_settings(  # raises if invalid
+            changed.max_tokens,
+            changed.temperature,
+            changed.top_p,
+            changed.top_k,
+            changed.gamma,
+            changed.draft_mode,
+        )
         setattr(settings, name, number)
     note(f"{name} = {getattr(settings, name)}")
 

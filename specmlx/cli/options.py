@@ -50,31 +50,13 @@ CpuWeights = typer.Option(
 System = typer.Option(None, "--system", help="System prompt (uses the model's chat template).")
 
 
-def parse_gamma(text: str) -> int | str:
-    """An integer >= 0, or "auto" (the engine picks γ per round)."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        gamma = int(text)
-    except ValueError:
-        raise SpecmlxError(f"--gamma must be an integer >= 0 or auto, got {text!r}") from None
-    if gamma < 0:
-        raise SpecmlxError(f"--gamma must be >= 0, got {gamma}")
-    return gamma
-
-
 def check_settings(
     max_tokens: int, temperature: float, top_p: float, top_k: int, gamma: str, draft_mode: str
 ) -> int | str:
     """Validate the generation flags before anything slow is loaded; return γ parsed."""
-    from ..sampling import SamplingParams
+    from ..settings import check_settings as check
 
-    SamplingParams(temperature, top_p, top_k)
-    if draft_mode not in ("model", "lookup", "auto"):
-        raise SpecmlxError(f"--draft-mode must be model, lookup or auto, got {draft_mode!r}")
-    if max_tokens < 1:
-        raise SpecmlxError(f"--max-tokens must be >= 1, got {max_tokens}")
-    return parse_gamma(gamma)
+    return check(max_tokens, temperature, top_p, top_k, gamma, draft_mode)[1]
 
 
 def load_pair(

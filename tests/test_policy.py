@@ -7,8 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from specmlx import schedule
-from specmlx.schedule import Acceptance, Costs, Scheduler
+from specmlx.policy.acceptance import CONFIDENCE_WEIGHT, PRIOR_ALPHA, Acceptance
+from specmlx.policy.choice import (
+    COST_PROBE,
+    DRAFT,
+    EXPLORE,
+    FIRST_BACKOFF,
+    FIRST_PROBE,
+    MARGIN,
+    REFRESH,
+    Scheduler,
+)
+from specmlx.policy.costs import DRAFT_FIGURES, SETTLE, Costs, load_costs, save_costs
 
 T1 = 0.3  # seconds per plain step; only ratios to it matter
 
@@ -16,12 +26,12 @@ T1 = 0.3  # seconds per plain step; only ratios to it matter
 def measured(curve, draft_ratio, max_k=9, t1=T1):
     """Costs after settling T(1) and three passes at every k of T(k)/T(1) = curve(k)."""
     costs = Costs()
-    for _ in range(schedule.SETTLE + 1):
+    for _ in range(SETTLE + 1):
         costs.observe_target(1, t1)
     for k in range(2, max_k + 1):
         for _ in range(3):
             costs.observe_target(k, t1 * curve(k))
-    for _ in range(schedule.DRAFT_FIGURES):
+    for _ in range(DRAFT_FIGURES):
         costs.observe_draft(t1 * draft_ratio)
     return costs
 
@@ -67,12 +77,12 @@ def test_free_drafts_are_worth_trying_even_when_the_draft_model_is_not():
 
 def test_cold_start_measures_plain_then_probes():
     s = Scheduler(Costs())
-    for _ in range(schedule.SETTLE + 1):  # T(1), from more than the process's first step
+    for _ in range(SETTLE + 1):  # T(1), from more than the process's first step
         assert s.choose().gamma == 0
         s.record(0, 0, verify_s=T1, draft_s=None, passes=0)
-    for _ in range(schedule.DRAFT_FIGURES):  # then T(g+1), the draft's cost, this text's α
+    for _ in range(DRAFT_FIGURES):  # then T(g+1), the draft's cost, this text's α
         g = s.choose().gamma
-        assert g == schedule.FIRST_PROBE
+        assert g == FIRST_PROBE
         s.record(g, 1, verify_s=T1 * (g + 1), draft_s=0.1 * g, passes=g)
     assert s.choose().gamma == 0  # linear verify: it stops speculating
 
@@ -98,10 +108,10 @@ def test_a_call_shown_nothing_of_its_text_looks_once_its_plain_rounds_can_afford
     s = warmed(lambda k: 1 + 0.02 * (k - 1), draft_ratio=0.8, alpha=0.3)
     s.start_call()
     waited = first_look(s) + 1  # the look itself is a round after that many plain ones
-    g = s.probe_length(schedule.FIRST_PROBE)
+    g = s.probe_length(FIRST_PROBE)
     assert 1 < waited < 300
-    assert s.probe_loss(g, waited) <= schedule.EXPLORE * waited
-    assert s.probe_loss(g, waited - 1) > schedule.EXPLORE * (waited - 1)
+    assert s.probe_loss(g, waited) <= EXPLORE * waited
+    assert s.probe_loss(g, waited - 1) > EXPLORE * (waited - 1)
 
 
 def plain_steps(s, tops):
@@ -161,7 +171,7 @@ def test_a_call_looks_right_after_its_first_token_where_the_look_is_forecast_to_
     s.start_call()
     assert s.choose().gamma == 0
     choice = s.choose()
-    assert choice.gamma == s.probe_length(schedule.FIRST_PROBE) > 0 and not choice.cost_probe
+    assert choice.gamma == s.probe_length(FIRST_PROBE) > 0 and not choice.cost_probe
 
 
 def test_a_look_drafts_one_token_where_verify_cost_rises_steeply():
@@ -169,9 +179,9 @@ def test_a_look_drafts_one_token_where_verify_cost_rises_steeply():
     # look costs more per draft judged; on a flat curve the look that pays best wins.
     steep = warmed(**THIS_CPU, alpha=0.5)
     flat = warmed(lambda k: 1 + 0.02 * (k - 1), draft_ratio=0.1, alpha=0.5)
-    assert steep.probe_length(schedule.FIRST_PROBE) == 1
-    paying_best = max(range(1, schedule.FIRST_PROBE + 1), key=flat.rate)
-    assert flat.probe_length(schedule.FIRST_PROBE) == paying_best > 1
+    assert steep.probe_length(FIRST_PROBE) == 1
+    paying_best = max(range(1, FIRST_PROBE + 1), key=flat.rate)
+    assert flat.probe_length(FIRST_PROBE) == paying_best > 1
 
 
 def test_no_call_probes_where_even_perfect_drafts_would_lose():
@@ -204,7 +214,7 @@ def test_once_drafting_accepted_drafts_go_on_and_rejected_ones_stop():
 def test_drafting_goes_on_through_a_forecast_near_even_but_does_not_start_on_one():
     s = warmed(**THIS_CPU, alpha=0.83)
     best = max(range(1, 9), key=s.rate)
-    assert 1 / schedule.MARGIN < s.rate(best) / s.rate(0) < 1
+    assert 1 / MARGIN < s.rate(best) / s.rate(0) < 1
     starting = s.choose()
     assert starting.predicted_tps == pytest.approx(s.tps(s.rate(0)))  # plain, or a look
     s = warmed(**THIS_CPU, alpha=0.83)
@@ -222,10 +232,10 @@ def first_look(s, rounds=300):
 def test_looking_again_costs_at_most_the_exploration_budget():
     s = warmed(lambda k: 1 + 0.3 * (k - 1), draft_ratio=0.1, alpha=0.2)
     gap = first_look(s) + 1
-    g = s.probe_length(schedule.FIRST_PROBE)
+    g = s.probe_length(FIRST_PROBE)
     assert 1 < gap < 300
-    assert s.probe_loss(g, gap) <= schedule.EXPLORE * gap
-    assert s.probe_loss(g, gap - 1) > schedule.EXPLORE * (gap - 1)
+    assert s.probe_loss(g, gap) <= EXPLORE * gap
+    assert s.probe_loss(g, gap - 1) > EXPLORE * (gap - 1)
 
 
 def test_cheap_catch_up_looks_again_sooner_than_costly():
@@ -240,9 +250,9 @@ def test_hopeless_costs_probe_without_the_draft_model_ever_more_rarely():
     # Even perfect acceptance loses: probes only re-measure the cost curve, for free.
     s = warmed(lambda k: k, draft_ratio=0.3, alpha=0.95)
     probes = [(i, c) for i, c in enumerate(s.choose() for _ in range(300)) if c.gamma > 0]
-    assert all(c.cost_probe and c.gamma == schedule.COST_PROBE for _, c in probes)
+    assert all(c.cost_probe and c.gamma == COST_PROBE for _, c in probes)
     starts = [i for i, _ in probes]
-    assert starts[0] >= schedule.FIRST_BACKOFF - 1 and starts[2] - starts[1] > starts[1] - starts[0]
+    assert starts[0] >= FIRST_BACKOFF - 1 and starts[2] - starts[1] > starts[1] - starts[0]
 
 
 def test_the_first_plain_step_is_left_out_of_t1():
@@ -263,7 +273,7 @@ def test_a_cached_t1_stands_in_until_this_process_has_its_own():
     assert cached.t1 == 0.15 and not cached.settled
     cached.observe_target(1, 0.45)  # the process's first step: one-time work
     assert cached.t1 == 0.15
-    for _ in range(schedule.SETTLE):
+    for _ in range(SETTLE):
         cached.observe_target(1, 0.2)
     assert cached.settled and cached.t1 == 0.2
 
@@ -271,7 +281,7 @@ def test_a_cached_t1_stands_in_until_this_process_has_its_own():
 def test_a_new_session_goes_on_from_this_process_t1():
     # The bench makes a Session per run: each would otherwise rest T(1) on a step or two.
     costs = measured(lambda k: k, 0.3, t1=0.15)
-    for _ in range(schedule.SETTLE):
+    for _ in range(SETTLE):
         costs.observe_target(1, 0.15)
     again = Costs.from_json(costs.to_json())
     assert again.settled and again.plain == costs.plain
@@ -279,7 +289,7 @@ def test_a_new_session_goes_on_from_this_process_t1():
 
 def test_long_speculation_pauses_once_to_remeasure_t1():
     s = warmed(lambda k: 1 + 0.02 * (k - 1), draft_ratio=0.1, alpha=0.9)
-    for _ in range(schedule.REFRESH):
+    for _ in range(REFRESH):
         g = s.choose().gamma
         assert g > 0
         s.record(g, g, verify_s=T1 * 1.1, draft_s=T1 * 0.1 * g, passes=g)
@@ -290,7 +300,7 @@ def test_long_speculation_pauses_once_to_remeasure_t1():
 
 def test_unmeasured_verify_lengths_lie_on_the_median_slope():
     costs = Costs()
-    for _ in range(schedule.SETTLE + 1):
+    for _ in range(SETTLE + 1):
         costs.observe_target(1, 1.0)
     costs.observe_target(5, 3.0)  # slope 0.5 per extra token
     assert costs.ratio(3) == pytest.approx(2.0)
@@ -368,16 +378,16 @@ def test_one_miss_at_a_calls_start_does_not_stop_prompt_lookup():
 
 def test_a_call_starts_from_a_guess_that_fades_before_the_targets_confidence():
     a = Acceptance()
-    assert a.alpha == pytest.approx(schedule.PRIOR_ALPHA) and not a.seen
+    assert a.alpha == pytest.approx(PRIOR_ALPHA) and not a.seen
     a.observe_confidence(0.99)
-    assert schedule.PRIOR_ALPHA < a.alpha < 0.94  # one step does not decide alone
+    assert PRIOR_ALPHA < a.alpha < 0.94  # one step does not decide alone
     for _ in range(40):
         a.observe_confidence(0.99)
     assert a.alpha == pytest.approx(0.99, abs=0.01)
 
 
 def test_a_sure_plain_step_counts_as_confidence_weight_accepted_drafts():
-    w = schedule.CONFIDENCE_WEIGHT
+    w = CONFIDENCE_WEIGHT
     drafts, steps = Acceptance(accepted=w, judged=w), Acceptance(accepted=0.0, judged=0.0)
     steps.observe_confidence(1.0)
     for a in (drafts, steps):
@@ -414,15 +424,15 @@ def test_a_new_call_starts_from_the_guess_not_the_last_calls_alpha():
 def test_costs_are_cached_per_pair(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECMLX_HOME", str(tmp_path))
     costs = measured(lambda k: k, 0.3)
-    schedule.save_costs("pair", costs)
-    assert same_costs(schedule.load_costs("pair"), costs)
-    assert schedule.load_costs("another pair") == Costs()
+    save_costs("pair", costs)
+    assert same_costs(load_costs("pair"), costs)
+    assert load_costs("another pair") == Costs()
 
 
 def test_a_cache_in_an_older_format_is_ignored(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECMLX_HOME", str(tmp_path))
     (tmp_path / "costs.json").write_text('{"pair": {"target": {"1": 0.2}, "draft": 0.1}}')
-    assert schedule.load_costs("pair") == Costs()
+    assert load_costs("pair") == Costs()
 
 
 def test_a_cache_from_before_the_first_draft_pass_was_left_out_is_measured_afresh(
@@ -434,7 +444,7 @@ def test_a_cache_from_before_the_first_draft_pass_was_left_out_is_measured_afres
     old = measured(lambda k: k, 0.9).to_json()
     del old["format"]
     (tmp_path / "costs.json").write_text(json.dumps({"pair": old}))
-    assert schedule.load_costs("pair") == Costs()
+    assert load_costs("pair") == Costs()
 
 
 def load_simulation():
@@ -469,8 +479,8 @@ def test_calibration_outlives_the_session_and_is_kept_per_sampling(tmp_path, mon
         s.record(4, 4, verify_s=T1 * 2, draft_s=0.45 * T1 * 4, passes=4, tops=[0.85] * 4)
     learnt = s.forecast(0.85)
     assert learnt > 0.85 * 1.05
-    schedule.save_costs("pair", s.costs)
-    again = Scheduler(schedule.load_costs("pair"))
+    save_costs("pair", s.costs)
+    again = Scheduler(load_costs("pair"))
     again.start_call(sampled=True)
     assert again.forecast(0.85) == pytest.approx(learnt)
     again.start_call(sampled=False)
@@ -525,8 +535,8 @@ def test_the_drafts_confidence_is_calibrated_apart_from_the_targets():
     s = warmed(**THIS_CPU, alpha=0.9)
     for _ in range(40):
         s.record(2, 1, T1 * 1.3, 0.45 * T1 * 2, passes=2, tops=[0.4, 0.4], draft_tops=[0.4, 0.4])
-    assert s.forecast(0.4, schedule.DRAFT) == pytest.approx(0.5, abs=0.05)
+    assert s.forecast(0.4, DRAFT) == pytest.approx(0.5, abs=0.05)
     assert s.forecast(0.4) == pytest.approx(0.5, abs=0.05)
     s.record(2, 2, T1 * 1.3, 0.45 * T1 * 2, passes=2, tops=[0.4, 0.4], draft_tops=[0.95] * 2)
-    assert s.forecast(0.95, schedule.DRAFT) > 0.95
+    assert s.forecast(0.95, DRAFT) > 0.95
     assert s.forecast(0.95) == 0.95  # the target's 0.95 band saw nothing

@@ -1,0 +1,92 @@
+"""A small model that samples g tokens autoregressively from its own q."""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+
+from ..caches import PREFILL_STEP, align_cache, make_cache, prefill, timed_pass, trim
+from ..loading import Model
+from .protocol import Draw, GoOn, Proposal
+
+
+class ModelDrafter:
+    """The draft model, with a KV cache that persists across a Session's calls.
+
+    It is fed lazily: what the text gained while it sat out rides along with its next
+    draft pass (a pass over a few tokens costs little more than one), and a call that
+    never drafts (auto γ = 0) never pays for its prompt.
+    """
+
+    name = "model"
+
+    def __init__(self, model: Model):
+        self.model = model
+        self.cache = make_cache(model.module)
+        self.cached: list[int] = []  # tokens whose entries are in the cache
+        self.pending: list[int] = []  # tokens of the text not yet fed; the last drafts next
+        self.prompt_left = 0  # how many of `pending` are the call's prompt
+        self.proposals = 0  # made in this Session
+
+    def start(self, context: list[int]) -> None:
+        keep = align_cache(self.model, self.cache, self.cached, context[:-1])
+        self.pending = context[keep:]
+        self.prompt_left = len(self.pending) - 1
+
+    def propose(self, g: int, key: mx.array, draw: Draw, go_on: GoOn | None = None) -> Proposal:
+        """g tokens and their q, lazily (nothing is synced unless `go_on` is given: it is
+        shown each draft as it is made, the last one too, and syncs every pass)."""
+        start = time.perf_counter()
+        if self.prompt_left:
+            self._feed(self.prompt_left)
+        prompt_s = time.perf_counter() - start
+        first = self.proposals == 0
+        self.proposals += 1
+        if len(self.pending) > PREFILL_STEP:  # a long wait: feed it in bounded chunks first
+            self._feed(len(self.pending) - 1)
+        fed = len(self.pending) - 1
+        self.cached += self.pending
+        x = mx.array(self.pending, mx.uint32)
+        tokens, qs = [], []
+        for k in mx.random.split(key, g):
+            logits = self.model.module(x[None], cache=self.cache)[:, -1, :]
+            q, x = draw(logits, k)
+            mx.async_eval(x)
+            tokens.append(x)
+            qs.append(q)
+            if go_on is not None and not go_on(logits, q):
+                break
+        self.pending = []
+        q = None if qs[0] is None else mx.concatenate(qs)
+        return Proposal(mx.concatenate(tokens), q, fed, first, prompt_s)
+
+    def commit(self, proposal: Proposal | None, accepted: int, emitted: list[int]) -> None:
+        if proposal is None:
+            self.pending += emitted  # it sat out: it takes them with its next pass
+            return
+        # It fed d_1..d_{g-1} through itself; d_g was sampled but never fed.
+        g = proposal.tokens.shape[0]
+        drafts = proposal.tokens.tolist()
+        self.cached += drafts[: g - 1]
+        if accepted == g:
+            self.pending = [drafts[-1], emitted[-1]]  # d_g and the bonus token
+        else:
+            rejected = g - 1 - accepted
+            trim(self.cache, rejected)
+            del self.cached[len(self.cached) - rejected :]
+            self.pending = emitted[-1:]
+
+    def time_pass(self) -> float:
+        """Seconds for one one-token pass, the cache left as it was: the draft's cost now,
+        without taking what it missed (best of two: a process's first pass pays one-time
+        work, and one pass can meet a burst of load)."""
+        token = (self.cached or self.pending)[-1:]
+        return min(timed_pass(self.model, self.cache, token) for _ in range(2))
+
+    def _feed(self, n: int) -> None:
+        """Feed the first n pending tokens through the draft as a prefill."""
+        tokens, self.pending = self.pending[:n], self.pending[n:]
+        prefill(self.model, self.cache, tokens)
+        self.cached += tokens
+        self.prompt_left = max(0, self.prompt_left - n)

@@ -1,0 +1,105 @@
+"""Auto γ as the engine sees it: which drafter, how many drafts, what each round teaches.
+
+The choice itself is choice.Scheduler's, one per draft source (the draft model, prompt
+lookup), both over one measured cost curve kept by the Session across calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from ..drafters import CostProbe, LookupDrafter, ModelDrafter, Proposal
+from ..verify import top_probabilities, top_probability
+from .choice import Scheduler
+from .round import Plan, Round
+
+
+class AutoGamma:
+    def __init__(
+        self,
+        schedulers: dict[str, Scheduler],
+        model: ModelDrafter | None,
+        lookup: LookupDrafter | None,
+        probe: CostProbe,
+        vocab_size: int,
+        sampled: bool,
+        keep: Callable[[], None] = lambda: None,
+    ):
+        self.keep = keep  # saves what was learnt (the Session's shared costs)
+        self.schedulers, self.model, self.lookup, self.probe = schedulers, model, lookup, probe
+        self.vocab_size = vocab_size
+        for scheduler in schedulers.values():
+            scheduler.start_call(sampled=sampled)
+        self.scratch = np.empty(vocab_size, np.float32)
+        self.scheduler: Scheduler | None = None  # the one that chose this round
+        self.draft_tops: list[float] = []  # the draft's top probability at each draft so far
+        self.rounds = 0
+
+    def plan(self, remaining: int) -> Plan:
+        longest = max(s.max_gamma for s in self.schedulers.values())
+        found = self.lookup.find(longest) if self.lookup is not None else []
+        if self.lookup is not None and (self.model is None or found):
+            source, drafter = "lookup", self.lookup
+        elif self.model is not None:
+            source, drafter = "model", self.model
+        else:
+            self.scheduler = None
+            return Plan(None, 0)
+        self.scheduler = scheduler = self.schedulers[source]
+        choice = scheduler.choose(remaining)
+        if choice.cost_probe:
+            if self.model is not None and not scheduler.free_drafts:
+                # Re-time the draft too: a figure taken in a burst of load must not keep
+                # it out for good (these probes never run the draft otherwise).
+                scheduler.costs.observe_draft(self.model.time_pass())
+            return Plan(self.probe, choice.gamma, predicted_tps=choice.predicted_tps)
+        if source == "lookup":
+            return Plan(drafter, len(found[: choice.gamma]), predicted_tps=choice.predicted_tps)
+        self.draft_tops = []
+        return Plan(drafter, choice.gamma, self._go_on, choice.predicted_tps)
+
+    def _go_on(self, logits: mx.array, probs: mx.array | None) -> bool:
+        """The draft's own confidence may end the round before the γ chosen."""
+        self.draft_tops.append(top_probability(logits, probs, self.vocab_size, self.scratch))
+        return self.scheduler.keep_drafting(self.draft_tops)
+
+    def observe(self, r: Round) -> None:
+        self.rounds += 1
+        watching = self.schedulers["model"] if self.model is not None else None
+        if r.proposal is None and watching is not None and self.rounds > 1:
+            # Plain rounds show how sure the target is: a forecast of acceptance. A reply's
+            # first token is no sign of its text: it follows the chat template's header.
+            watching.observe_confidence(
+                top_probability(r.logits, r.probs, self.vocab_size, self.scratch)
+            )
+        if self.scheduler is None:
+            return
+        g, n = r.drafted, r.accepted
+        model_round = r.source == "model"
+        tops = judged = None
+        if model_round:  # what the target's and the draft's confidence said, draft by draft
+            tops = top_probabilities(
+                r.logits, r.probs, min(n + 1, g), self.vocab_size, self.scratch
+            )
+            judged = self.draft_tops[: min(n + 1, g)]
+        draft_s = None if r.source == "probe" else r.draft_s
+        passes = self._passes(r.proposal, g) if model_round else g
+        self.scheduler.record(g, n, r.verify_s, draft_s, passes, tops, judged)
+
+    def _passes(self, proposal: Proposal | None, g: int) -> float | None:
+        """How many one-token draft passes a model round's draft time stands for, or None
+        when it is no clean figure of one: a Session's first proposal (it pays the draft
+        model's one-time work: taken as its cost, auto never drafted again in that
+        process), or a first pass that also took a backlog of missed tokens."""
+        if proposal is None or proposal.first or proposal.fed > 1:
+            return None if proposal is not None else g
+        if proposal.fed == 1:  # after a fully accepted round: its last draft rode along
+            two = self.scheduler.costs.ratio(2)  # priced on the target's curve: same shape
+            return g - 1 + two if two else None
+        return g
+
+    def finish(self) -> None:
+        self.keep()

@@ -1,0 +1,178 @@
+"""Pass costs as ratios to T(1), measured as the engine runs, and kept across runs.
+
+On a shared machine load moves every pass's time together, and one pass can be slow for
+reasons of its own (a burst of load, the first call at a new shape), so each multi-token
+target pass and each draft pass is recorded as its ratio to the T(1) of the moment, and a
+figure is the median of its recent ratios: one outlier cannot lock a draft length out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from statistics import median
+
+from ..paths import home
+from .acceptance import BANDS
+
+WINDOW = 16  # recent ratios kept per figure
+# Clean draft passes timed before the draft's cost is priced: with one, a pass timed in a
+# burst of load (0.93 of T(1) where it is 0.48) priced drafting out for a whole bench run,
+# whose cost probes never time the draft again.
+DRAFT_FIGURES = 3
+# Plain steps (after the process's first) that T(1) needs before any ratio is taken to
+# it: every cost is relative to T(1), so one noisy step would skew them all for a call.
+SETTLE = 3
+# The cost cache's format. 2: draft figures no longer include the draft model's first
+# one-token pass in a process (one-time work, 4x a pass); a cache written before may hold
+# such a figure, which kept auto from ever drafting, so it is measured afresh. 3: the
+# calibration is kept per band of top probability.
+COSTS_FORMAT = 3
+
+
+def _push(samples: list[float], value: float) -> None:
+    samples.append(value)
+    del samples[:-WINDOW]
+
+
+@dataclass
+class Costs:
+    """Pass costs as ratios to T(1): a target pass over k new tokens, a draft pass; and
+    how far the target's confidence forecasts this pair's acceptance (`calibration`).
+
+    T(1) itself is the median of this process's recent plain steps but its first, which
+    pays one-time work (weights read or expanded on first use, compiles): 0.45 s against
+    0.15 s after, on this CPU. A T(1) from the cache (another run) only stands in until then.
+    """
+
+    plain: list[float] = field(default_factory=list)  # this process's plain steps, seconds
+    target: dict[int, list[float]] = field(default_factory=dict)  # k ≥ 2 -> T(k)/T(1) seen
+    draft: list[float] = field(default_factory=list)  # draft pass / T(1) seen
+    cached_t1: float | None = None
+    # How a top probability maps to acceptance for this pair, per sampling ("greedy" or
+    # "sampled") and whose top it is (the target's at a plain step or in the verify; the
+    # draft's, " draft" appended), per band of BANDS: [drafts accepted, their top
+    # probabilities summed], decayed. Kept with the costs, across calls and runs: a call
+    # that starts from no evidence rarely drafts at T = 1 and so never learns it (a
+    # Session per call: auto 1.03x on sampled code where γ = 4 gained 1.19x).
+    calibration: dict[str, list[list[float]]] = field(default_factory=dict)
+
+    @property
+    def settled(self) -> bool:
+        """Whether T(1) rests on enough of this process's steps after its first."""
+        return len(self.plain) > SETTLE
+
+    @cached_property
+    def t1(self) -> float | None:
+        if self.settled:
+            return median(self.plain[1:])
+        return self.cached_t1 or (self.plain[0] if self.plain else None)
+
+    def observe_target(self, k: int, seconds: float) -> None:
+        self._changed()
+        if k == 1:
+            self.plain.append(seconds)
+            del self.plain[1:-WINDOW]  # keep the first (to leave out) and the recent
+        elif self.settled:
+            _push(self.target.setdefault(k, []), seconds / self.t1)
+
+    def observe_draft(self, seconds_per_pass: float) -> None:
+        self._changed()
+        if self.settled:
+            _push(self.draft, seconds_per_pass / self.t1)
+
+    def _changed(self) -> None:
+        """Forget the figures read from the samples. Each choice reads them dozens of
+        times (0.3 ms a plain round in medians, 0.2% of a step on this CPU), and they
+        change only here: the samples are to be changed through observe_* alone."""
+        for name in ("t1", "slope", "draft_ratio", "_ratios"):
+            self.__dict__.pop(name, None)
+
+    @cached_property
+    def slope(self) -> float | None:
+        """The extra cost of each new token beyond the first, as a fraction of T(1): the
+        median over every multi-token pass seen (a Theil–Sen line through T(1) = 1)."""
+        slopes = [(r - 1) / (k - 1) for k, seen in self.target.items() for r in seen]
+        return max(median(slopes), 0.0) if slopes else None
+
+    def ratio(self, k: int) -> float | None:
+        """T(k)/T(1): the median seen at k once there are a few, else on the line."""
+        ratios = self._ratios
+        if k not in ratios:
+            seen = self.target.get(k, [])
+            if k == 1:
+                ratios[k] = 1.0
+            elif len(seen) >= 3:
+                ratios[k] = median(seen)
+            else:
+                ratios[k] = None if self.slope is None else 1 + self.slope * (k - 1)
+        return ratios[k]
+
+    @cached_property
+    def _ratios(self) -> dict[int, float | None]:
+        return {}
+
+    @cached_property
+    def draft_ratio(self) -> float | None:
+        return median(self.draft) if len(self.draft) >= DRAFT_FIGURES else None
+
+    def to_json(self) -> dict:
+        return {
+            "format": COSTS_FORMAT,
+            "t1": self.t1,  # one figure: it stands in until this process has its own
+            "target": {str(k): v for k, v in self.target.items()},
+            "draft": self.draft,
+            # This process's plain steps: its next Session goes on from them rather than
+            # from one or two new steps (whose noise would skew every ratio of a call).
+            "plain": {"pid": os.getpid(), "seconds": self.plain},
+            "calibration": self.calibration,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> Costs:
+        if data.get("format") != COSTS_FORMAT:
+            raise ValueError(f"cost cache format {data.get('format')}, not {COSTS_FORMAT}")
+        target = {int(k): [float(r) for r in v] for k, v in data["target"].items()}
+        plain = data.get("plain") or {}
+        ours = plain.get("pid") == os.getpid()  # another process's steps are not its T(1)
+        mine = [float(t) for t in plain.get("seconds", [])] if ours else []
+        calibration = {
+            kind: [[float(accepted), float(tops)] for accepted, tops in bands]
+            for kind, bands in data.get("calibration", {}).items()
+            if len(bands) == len(BANDS) + 1
+        }
+        return cls(mine, target, [float(r) for r in data["draft"]], float(data["t1"]), calibration)
+
+
+def cost_cache_path() -> Path:
+    return home() / "costs.json"
+
+
+def load_costs(key: str) -> Costs:
+    """This pair's cached costs; nothing when absent or in an old format."""
+    try:
+        return Costs.from_json(json.loads(cost_cache_path().read_text())[key])
+    except (OSError, KeyError, ValueError, TypeError, AttributeError):
+        return Costs()
+
+
+def save_costs(key: str, costs: Costs) -> None:
+    """Merge this pair's costs into the cache file atomically (temp file + rename)."""
+    path = cost_cache_path()
+    try:
+        data = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        data = {}
+    data[key] = costs.to_json()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".costs-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home only means the next run measures again

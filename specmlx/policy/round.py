@@ -1,0 +1,43 @@
+"""What a policy plans for a round, and what it is shown of the round afterwards."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import mlx.core as mx
+
+from ..drafters import Drafter, GoOn, Proposal
+
+
+@dataclass
+class Plan:
+    drafter: Drafter | None  # None: a plain round
+    gamma: int  # drafts to ask for (the engine never drafts past max_tokens)
+    go_on: GoOn | None = None  # shown each draft as it is made; False ends the proposal
+    predicted_tps: float = 0.0  # the cost model's forecast for this choice (auto only)
+
+
+@dataclass
+class Round:
+    plan: Plan
+    source: str  # "plain", or the name of the drafter that proposed
+    asked: int  # drafts asked for, after the engine's cap
+    drafted: int  # drafts made (fewer than asked where go_on ended the proposal)
+    accepted: int
+    draft_s: float  # planning and drafting, less any of the prompt the draft took
+    verify_s: float  # the target's pass and the accept/reject
+    proposal: Proposal | None
+    logits: mx.array  # the target's logits over the round's positions
+    probs: mx.array | None  # the distribution the target was judged or sampled with
+
+
+class Policy(Protocol):
+    def plan(self, remaining: int) -> Plan:
+        """The next round; `remaining`: the most tokens the call may still emit."""
+
+    def observe(self, round: Round) -> None:
+        """A finished round."""
+
+    def finish(self) -> None:
+        """The call is over (keep what was learnt)."""

@@ -1,0 +1,53 @@
+"""The generation settings' rules, checked in one place for the API, the CLI and chat."""
+
+from __future__ import annotations
+
+from .errors import SpecmlxError
+from .sampling import SamplingParams
+
+DRAFT_MODES = ("model", "lookup", "auto")
+
+
+def check_max_tokens(max_tokens: int) -> int:
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise SpecmlxError(f"max_tokens (-n) must be an integer >= 1, got {max_tokens!r}")
+    return max_tokens
+
+
+def parse_gamma(value: int | str) -> int | str:
+    """γ as given: 'auto', an integer >= 0, or its text."""
+    if isinstance(value, str):
+        if value.strip().lower() == "auto":
+            return "auto"
+        try:
+            value = int(value)
+        except ValueError:
+            raise SpecmlxError(
+                f"gamma (-g) must be 'auto' or an integer >= 0, got {value!r}"
+            ) from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SpecmlxError(f"gamma (-g) must be 'auto' or an integer >= 0, got {value!r}")
+    return value
+
+
+def check_draft_mode(draft_mode: str) -> str:
+    if draft_mode not in DRAFT_MODES:
+        raise SpecmlxError(
+            f"draft mode must be one of {', '.join(DRAFT_MODES)}, got {draft_mode!r}"
+        )
+    return draft_mode
+
+
+def check_settings(
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    gamma: int | str,
+    draft_mode: str,
+) -> tuple[SamplingParams, int | str]:
+    """Every generation setting checked; the sampling parameters and γ parsed."""
+    params = SamplingParams(temperature, top_p, top_k)
+    check_max_tokens(max_tokens)
+    check_draft_mode(draft_mode)
+    return params, parse_gamma(gamma)
