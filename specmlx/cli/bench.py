@@ -127,8 +127,9 @@ def render(result: dict, console: Console) -> None:
             f"(up to {worst:.0%})[/dim]"
         )
     m, cold = result["machine"], result["cold_start"]
+    label = f"{result['label']} · " if result.get("label") else ""  # older results have none
     console.print(
-        f"[dim]{m['cpu']} · {m['cores']} cores · {m['backend']} · mlx {m['mlx']} · "
+        f"[dim]{label}{m['cpu']} · {m['cores']} cores · {m['backend']} · mlx {m['mlx']} · "
         f"mlx-lm {m['mlx_lm']} · BLAS {m['blas']['active'] or 'not found'} · "
         f"CPU weights {result['models']['target'].get('cpu_weights') or '?'} · "
         f"cold start {_num(cold.get('cold_start_s'))} s (weights {_num(cold.get('weights_s'))}) "
@@ -161,7 +162,7 @@ def bench(
         None,
         "--gamma",
         "-g",
-        help="Comma-separated γ values (default 1,2,4,6, plus auto when the engine has it).",
+        help="Comma-separated γ values, integers or auto (default auto,1,2,4,6).",
     ),
     temperature: str = typer.Option(
         None, "--temperature", "-t", help="Comma-separated temperatures (default 0,0.7,1.0)."
@@ -169,7 +170,7 @@ def bench(
     draft_mode: str = typer.Option(
         "model",
         "--draft-mode",
-        help="Comma-separated specmlx draft modes: model, lookup, auto (where available).",
+        help="Comma-separated specmlx draft modes: model, lookup, auto.",
     ),
     categories: str = typer.Option(
         None, "--categories", "-c", help="Comma-separated categories; 'mt-bench' = its eight."
@@ -220,7 +221,15 @@ def bench(
         None, "--from-json", help="Render (and --plot) a saved --json result; run nothing."
     ),
     suite_dir: Path = typer.Option(
-        None, "--suite-dir", help="Prompt suite folder (default: the checkout's bench/prompts)."
+        None,
+        "--suite-dir",
+        help="Folder with spec_bench.jsonl and humaneval.jsonl (default: the packaged suites).",
+    ),
+    label: str = typer.Option(
+        None,
+        "--label",
+        help="Recorded as the result's label: what ran, e.g. the commit "
+        "(--label $(git rev-parse --short HEAD)).",
     ),
 ) -> None:
     """Benchmark target alone vs speculative decoding (specmlx and mlx-lm), interleaved."""
@@ -236,11 +245,10 @@ def bench(
         return
     preset = QUICK if quick else {}
     gamma = gamma or preset.get("gamma") or DEFAULTS["gamma"]
-    auto = lib.supports_auto()
-    gammas = lib.parse_gammas(gamma, auto)
-    if auto and "auto" not in gammas and "auto" not in gamma:
+    gammas = lib.parse_gammas(gamma)
+    if "auto" not in gammas:
         gammas = ["auto", *gammas]  # the default policy is always worth seeing
-    draft_modes = lib.parse_draft_modes(draft_mode, lib.draft_modes_available())
+    draft_modes = lib.parse_draft_modes(draft_mode)
     temps = lib.parse_temperatures(
         temperature or preset.get("temperature") or DEFAULTS["temperature"]
     )
@@ -249,7 +257,7 @@ def bench(
         raise options.SpecmlxError(f"--max-tokens must be >= 1, got {max_tokens}")
     if repeat < 1:  # before loading the models, as for --max-tokens
         raise options.SpecmlxError(f"--repeat must be >= 1, got {repeat}")
-    suite = lib.read_suite(suite_dir or lib.SUITE_DIR)
+    suite = lib.read_suite(suite_dir)
     chosen = lib.select_prompts(
         suite,
         split=split,
@@ -269,7 +277,7 @@ def bench(
     target, drafter, timings = options.load_timed(model, draft, False, dtype, log, cpu_weights)
     if drafter is None:
         raise options.SpecmlxError("bench needs a draft model: pass --draft")
-    mlx_lm_gammas = lib.parse_gammas(mlx_lm_gamma, False) if mlx_lm_gamma else None
+    mlx_lm_gammas = lib.parse_gammas(mlx_lm_gamma, allow_auto=False) if mlx_lm_gamma else None
     modes = lib.build_modes(gammas, mlx_lm, mlx_lm_target, draft_modes, mlx_lm_gammas, control)
     runs = len(chosen) * len(temps) * len(modes) * repeat
     times = f" × {repeat} repeats" if repeat > 1 else ""
@@ -278,8 +286,6 @@ def bench(
         f"{runs} runs "
         f"of ≤ {max_tokens} tokens; modes: {', '.join(m.name for m in modes)}"
     )
-    if not auto:
-        log("specmlx has no adaptive γ yet: auto is not measured")
 
     def progress(event: dict) -> None:
         if event["phase"] == "warmup":
@@ -317,6 +323,7 @@ def bench(
         progress=progress,
     )
     result["argv"] = sys.argv
+    result["label"] = label
     # Every resolved setting spelled out, so the run can be repeated whatever the defaults become.
     parts = [
         "specmlx bench",
@@ -338,6 +345,7 @@ def bench(
         "--control" if control else "",
         f"--mlx-lm-gamma {mlx_lm_gamma}" if mlx_lm_gamma and mlx_lm else "",
         "" if warmup else "--no-warmup",
+        f"--suite-dir {suite_dir}" if suite_dir else "",
     ]
     result["command"] = " ".join(part for part in parts if part)
     result["settings"].update(
