@@ -14,6 +14,7 @@ from specmlx import bench
 from specmlx.bench import Mode, RunRecord
 from specmlx.cli import main
 from specmlx.errors import SpecmlxError
+from specmlx.settings import DRAFT_MODES
 
 
 def record(prompt_id: str, mode: str, tokens: int, decode_s: float, **kw) -> RunRecord:
@@ -202,8 +203,6 @@ def test_each_draft_mode_runs_at_every_gamma():
 
 
 def test_draft_modes_are_the_engines():
-    from specmlx.engine import DRAFT_MODES
-
     assert bench.parse_draft_modes(" ,".join(DRAFT_MODES)) == list(DRAFT_MODES)
     with pytest.raises(SpecmlxError, match="--draft-mode"):
         bench.parse_draft_modes("beam")
