@@ -4,9 +4,13 @@ them a round can roll back exactly.
 Speculation rolls a cache back by the rejected drafts after every round. mlx-lm's
 `trim` does that exactly only for caches that keep every position (KVCache and its
 quantized and padded kinds). A sliding window that has wrapped has overwritten what a
-rollback would need, and a recurrent state (ArraysCache) has no positions to drop: their
-`trim_prompt_cache` trims nothing and returns 0. Those architectures are refused for
-speculation (`check_rollback`) until they get a rollback of their own.
+trim would need, and a recurrent state (ArraysCache) has no positions to drop: for them
+`trim_prompt_cache` trims nothing and returns 0. So a round takes a `checkpoint` of such
+caches before its pass (views of their arrays: MLX arrays are values, so a view keeps
+what the pass then overwrites) and `rewind` restores it and runs the accepted tokens
+again, a pass over n + 1 tokens that a rejection costs. A sliding window right after a
+pass over several tokens is still in time order, so there it is cut instead, at no cost.
+A kind not known here is refused for speculation (`check_rollback`), never guessed at.
 
 MLX's CUDA backend (0.32.4) builds attention kernels per shape: a target pass over 3 new
 tokens costs ~8 ms at a KV length it has seen and ~70 ms at a new one, and a growing
@@ -26,10 +30,13 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import (
+    ArraysCache,
     CacheList,
+    ChunkedKVCache,
     ConcatenateKVCache,
     KVCache,
     QuantizedKVCache,
+    RotatingKVCache,
     make_prompt_cache,
 )
 from mlx_lm.utils import common_prefix_len
@@ -103,18 +110,28 @@ def make_cache(module: nn.Module) -> list:
 
 # Kinds whose trim(n) drops exactly the last n positions and leaves the rest as it was.
 EXACT_TRIM = (KVCache, QuantizedKVCache, ConcatenateKVCache)
+# Kinds rewound from a checkpoint of their whole state (see the module's docstring).
+REWOUND = (RotatingKVCache, ArraysCache, ChunkedKVCache)
+
+
+def layers(cache: list) -> list:
+    """Every layer's cache, the parts of a CacheList (hybrid layers) one by one."""
+    out = []
+    for layer in cache:
+        out += layers(list(layer.caches)) if isinstance(layer, CacheList) else [layer]
+    return out
 
 
 def unrollable(cache: list) -> str | None:
-    """The name of the first cache kind in `cache` that cannot be trimmed exactly, or None."""
-    for layer in cache:
-        if isinstance(layer, CacheList):
-            kind = unrollable(list(layer.caches))
-        else:
-            kind = None if isinstance(layer, EXACT_TRIM) else type(layer).__name__
-        if kind is not None:
-            return kind
-    return None
+    """The name of the first cache kind in `cache` that cannot be rolled back, or None."""
+    return next(
+        (type(c).__name__ for c in layers(cache) if not isinstance(c, EXACT_TRIM + REWOUND)),
+        None,
+    )
+
+
+def trims_exactly(cache: list) -> bool:
+    return all(isinstance(c, EXACT_TRIM) for c in layers(cache))
 
 
 def check_rollback(*models) -> None:
@@ -126,9 +143,9 @@ def check_rollback(*models) -> None:
         if kind is not None:
             arch = model.config.get("model_type", "this architecture")
             raise SpecmlxError(
-                f"speculative decoding on {arch} ({model.name}) is not exact yet: its "
-                f"{kind} layers cannot be rolled back after a rejected draft; run the "
-                "target alone (--no-draft, or num_draft=0)"
+                f"speculative decoding on {arch} ({model.name}) is not exact: its {kind} "
+                "layers cannot be rolled back after a rejected draft; run the target "
+                "alone (--no-draft, or num_draft=0)"
             )
 
 
@@ -138,13 +155,67 @@ def trim(cache: list, n: int) -> None:
     target's."""
     if n <= 0:
         return
-    kind = unrollable(cache)
-    trimmed = {layer.trim(n) for layer in cache} if kind is None else {0}
+    exact = trims_exactly(cache)
+    trimmed = {layer.trim(n) for layer in cache} if exact else {0}
     if trimmed != {n}:
         raise SpecmlxError(
             f"internal: a cache rollback by {n} positions trimmed {sorted(trimmed)} "
-            f"({kind or 'a layer held fewer positions'}); nothing after this would be exact"
+            "(a layer held fewer positions, or cannot be trimmed); nothing after this "
+            "would be exact"
         )
+
+
+def checkpoint(cache: list) -> list | None:
+    """What `rewind` needs to undo the next passes over `cache`; None where a trim does."""
+    if trims_exactly(cache):
+        return None
+    return [c.offset if isinstance(c, EXACT_TRIM) else _hold(c.state) for c in layers(cache)]
+
+
+def rewind(model: Model, cache: list, saved: list | None, kept: list[int], dropped: int) -> int:
+    """Drop the last `dropped` positions that the passes since `saved` added; `kept` are
+    the tokens of those passes that stay. Returns how many tokens had to be run again."""
+    if dropped <= 0:
+        return 0
+    if saved is None:
+        trim(cache, dropped)
+        return 0
+    every = layers(cache)
+    if all(isinstance(c, EXACT_TRIM) or _cuttable(c, dropped) for c in every):
+        for c in every:
+            _cut(c, dropped) if isinstance(c, RotatingKVCache) else trim([c], dropped)
+        return 0
+    for c, state in zip(every, saved, strict=True):
+        if isinstance(c, EXACT_TRIM):
+            trim([c], c.offset - state)
+        else:
+            c.state = _hold(state)
+    prefill(model, cache, kept)
+    return len(kept)
+
+
+def _hold(state):
+    """The state with each array replaced by a view of it: the cache's own arrays may be
+    written in place after this, the views keep what they held."""
+    if isinstance(state, (list, tuple)):
+        return type(state)(_hold(x) for x in state)
+    return state[...] if isinstance(state, mx.array) else state
+
+
+def _cuttable(c, n: int) -> bool:
+    """Whether a sliding window's last n positions can be cut off as they are: it is in
+    time order with the newest last, and cutting them leaves every position the window
+    still needs (nothing was evicted yet, or a pass over several tokens kept window +
+    tokens - 1 of them, as mlx-lm does, so that every new token saw a whole window)."""
+    if not isinstance(c, RotatingKVCache) or c.keys is None or c._idx != c.keys.shape[2]:
+        return False
+    return c._idx > n and (c.offset == c._idx or c._idx - n >= c.max_size)
+
+
+def _cut(c: RotatingKVCache, n: int) -> None:
+    c.keys, c.values = c.keys[..., : c._idx - n, :], c.values[..., : c._idx - n, :]
+    c._idx -= n
+    c.offset -= n
 
 
 PREFILL_STEP = 512  # tokens per prefill chunk: bounds the activations' memory
@@ -160,10 +231,11 @@ def prefill(model: Model, cache: list, tokens: list[int], step: int = PREFILL_ST
 
 def timed_pass(model: Model, cache: list, tokens: list[int]) -> float:
     """Seconds for one forward pass over `tokens`; the cache is left as it was."""
+    saved = checkpoint(cache)
     start = time.perf_counter()
     mx.eval(model.module(mx.array(tokens, mx.uint32)[None], cache=cache))
     seconds = time.perf_counter() - start
-    trim(cache, len(tokens))
+    rewind(model, cache, saved, [], len(tokens))
     return seconds
 
 
@@ -176,7 +248,7 @@ def align_cache(model: Model, cache: list, cached: list[int], tokens: list[int])
     and otherwise made anew, to be prefilled from the start.
     """
     keep = common_prefix_len(cached, tokens)
-    if unrollable(cache) is not None:
+    if not trims_exactly(cache):
         if keep < len(cached) or not cached:
             cache[:] = make_cache(model.module)
             cached.clear()

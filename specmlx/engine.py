@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import mlx.core as mx
 
-from .caches import check_rollback, make_cache, sync_cache, trim, unrollable
+from .caches import check_rollback, checkpoint, make_cache, rewind, sync_cache, trims_exactly
 from .drafters import CostProbe, Drafter, LookupDrafter, ModelDrafter
 from .errors import SpecmlxError
 from .loading import Model, backend, check_pair
@@ -51,6 +51,7 @@ class Stats:
     prefill_time: float = 0.0  # both models' prompt processing (the draft's too), seconds
     draft_time: float = 0.0
     verify_time: float = 0.0
+    rewind_time: float = 0.0  # rejected drafts undone by running kept tokens again
     decode_time: float = 0.0  # first round to last token, seconds
     ttft: float = 0.0  # call to first emitted token, seconds
     finish_reason: str = ""  # "eos" | "length"
@@ -81,6 +82,7 @@ class Stats:
         self.rounds_by_gamma[r.drafted] = self.rounds_by_gamma.get(r.drafted, 0) + 1
         self.rounds_by_source[r.source] = self.rounds_by_source.get(r.source, 0) + 1
         self.verify_time += r.verify_s
+        self.rewind_time += r.rewind_s
         if r.plan.predicted_tps:
             self.predicted_tps = r.plan.predicted_tps
         if r.proposal is None:
@@ -253,8 +255,11 @@ def generate(
         except BaseException:
             # Stopped mid-pass (Ctrl-C, an error): a cache that cannot be trimmed back may
             # hold part of a round; the next call must prefill it anew.
-            if unrollable(session.cache) is not None:
+            if not trims_exactly(session.cache):
                 session.cached.clear()
+            drafter = session.drafter
+            if drafter is not None and not trims_exactly(drafter.cache):
+                drafter.cached.clear()
             raise
 
     return Generation(steps)
@@ -314,6 +319,7 @@ def _decode(
             mx.eval(proposal.tokens, proposal.q)
             prompt_s += proposal.prompt_s
         t1 = time.perf_counter()
+        saved = checkpoint(cache) if proposal is not None else None
         if proposal is not None:
             x = mx.concatenate([mx.array([last], mx.uint32), proposal.tokens])
             logits = target.module(x[None], cache=cache)[0]
@@ -325,14 +331,18 @@ def _decode(
         n, token = n.item(), token.item()
         t2 = time.perf_counter()
         drafts = proposal.tokens.tolist() if proposal is not None else []
-        trim(cache, len(drafts) - n)
+        rerun = rewind(target, cache, saved, [last, *drafts[:n]], len(drafts) - n)
         cached += [last, *drafts[:n]]
         emitted = [*drafts[:n], token]
         for drafter in drafters:
-            drafter.commit(proposal if drafter is plan.drafter else None, n, emitted)
+            rerun += drafter.commit(proposal if drafter is plan.drafter else None, n, emitted)
+        t3 = time.perf_counter()
         source = plan.drafter.name if proposal is not None else "plain"
         draft_s = t1 - t0 - (proposal.prompt_s if proposal is not None else 0.0)
-        done = Round(plan, source, asked, len(drafts), n, draft_s, t2 - t1, proposal, logits, probs)
+        rewind_s = t3 - t2 if rerun else 0.0
+        done = Round(
+            plan, source, asked, len(drafts), n, draft_s, t2 - t1, rewind_s, proposal, logits, probs
+        )
         stats.add_round(done)
         policy.observe(done)
         last = token

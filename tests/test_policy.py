@@ -540,3 +540,19 @@ def test_the_drafts_confidence_is_calibrated_apart_from_the_targets():
     s.record(2, 2, T1 * 1.3, 0.45 * T1 * 2, passes=2, tops=[0.4, 0.4], draft_tops=[0.95] * 2)
     assert s.forecast(0.95, DRAFT) > 0.95
     assert s.forecast(0.95) == 0.95  # the target's 0.95 band saw nothing
+
+
+def test_a_rejection_that_must_be_rewound_is_priced_into_every_draft_length():
+    # Caches that cannot be trimmed (sliding windows, recurrent state) run the kept tokens
+    # again after a rejection: a cost each round pays with the chance that a draft fails.
+    flat = warmed(lambda k: 1.0 + 0.1 * (k - 1), 0.2, alpha=0.7)
+    before = {g: flat.rate(g) for g in range(4)}
+    for _ in range(3):
+        flat.costs.observe_rewind(T1 * 1.5)
+    assert flat.costs.rewind_ratio == pytest.approx(1.5)
+    assert flat.rate(0) == before[0]
+    assert all(flat.rate(g) < before[g] for g in (1, 2, 3))
+
+
+def test_caches_that_trim_cost_nothing_to_rewind():
+    assert measured(lambda k: 1.0, 0.2).rewind_ratio == 0.0

@@ -369,10 +369,10 @@ def test_auto_shows_the_stop_rule_and_the_calibration_the_drafts_own_confidence(
     asked, recorded = [], []
     record = Scheduler.record
 
-    def spy(s, g, n, verify_s, draft_s, passes, tops=None, draft_tops=None):
+    def spy(s, g, n, verify_s, draft_s, passes, tops=None, draft_tops=None, rewind_s=0.0):
         if g > 0 and draft_s is not None:  # a model round (not a cost probe)
             recorded.append((g, n, draft_tops))
-        return record(s, g, n, verify_s, draft_s, passes, tops, draft_tops)
+        return record(s, g, n, verify_s, draft_s, passes, tops, draft_tops, rewind_s)
 
     monkeypatch.setattr(
         Scheduler, "keep_drafting", lambda s, tops: asked.append(list(tops)) or True

@@ -46,5 +46,6 @@ class LookupDrafter:
         tokens = mx.array(self.find(g), mx.uint32)
         return Proposal(tokens, point_mass(tokens, self.vocab_size) if self.sampled else None)
 
-    def commit(self, proposal: Proposal | None, accepted: int, emitted: list[int]) -> None:
+    def commit(self, proposal: Proposal | None, accepted: int, emitted: list[int]) -> int:
         self.history += emitted
+        return 0

@@ -6,7 +6,7 @@ import time
 
 import mlx.core as mx
 
-from ..caches import PREFILL_STEP, align_cache, make_cache, prefill, timed_pass, trim
+from ..caches import PREFILL_STEP, align_cache, checkpoint, make_cache, prefill, rewind, timed_pass
 from ..loading import Model
 from .protocol import Draw, GoOn, Proposal
 
@@ -27,6 +27,8 @@ class ModelDrafter:
         self.cached: list[int] = []  # tokens whose entries are in the cache
         self.pending: list[int] = []  # tokens of the text not yet fed; the last drafts next
         self.prompt_left = 0  # how many of `pending` are the call's prompt
+        self.saved: list | None = None  # the cache's checkpoint before the last proposal
+        self.fed: list[int] = []  # what its first pass took
         self.proposals = 0  # made in this Session
 
     def start(self, context: list[int]) -> None:
@@ -46,6 +48,8 @@ class ModelDrafter:
         if len(self.pending) > PREFILL_STEP:  # a long wait: feed it in bounded chunks first
             self._feed(len(self.pending) - 1)
         fed = len(self.pending) - 1
+        self.saved = checkpoint(self.cache)  # what a rejection rewinds to, where trims can't
+        self.fed = list(self.pending)
         self.cached += self.pending
         x = mx.array(self.pending, mx.uint32)
         tokens, qs = [], []
@@ -61,21 +65,23 @@ class ModelDrafter:
         q = None if qs[0] is None else mx.concatenate(qs)
         return Proposal(mx.concatenate(tokens), q, fed, first, prompt_s)
 
-    def commit(self, proposal: Proposal | None, accepted: int, emitted: list[int]) -> None:
+    def commit(self, proposal: Proposal | None, accepted: int, emitted: list[int]) -> int:
         if proposal is None:
             self.pending += emitted  # it sat out: it takes them with its next pass
-            return
+            return 0
         # It fed d_1..d_{g-1} through itself; d_g was sampled but never fed.
         g = proposal.tokens.shape[0]
         drafts = proposal.tokens.tolist()
         self.cached += drafts[: g - 1]
         if accepted == g:
             self.pending = [drafts[-1], emitted[-1]]  # d_g and the bonus token
-        else:
-            rejected = g - 1 - accepted
-            trim(self.cache, rejected)
-            del self.cached[len(self.cached) - rejected :]
-            self.pending = emitted[-1:]
+            return 0
+        rejected = g - 1 - accepted
+        kept = self.fed + drafts[:accepted]
+        rerun = rewind(self.model, self.cache, self.saved, kept, rejected)
+        del self.cached[len(self.cached) - rejected :]
+        self.pending = emitted[-1:]
+        return rerun
 
     def time_pass(self) -> float:
         """Seconds for one one-token pass, the cache left as it was: the draft's cost now,

@@ -27,5 +27,6 @@ class CostProbe:
         tokens = mx.array([self.last] * g, mx.uint32)
         return Proposal(tokens, point_mass(tokens, self.vocab_size) if self.sampled else None)
 
-    def commit(self, proposal: Proposal | None, accepted: int, emitted: list[int]) -> None:
+    def commit(self, proposal: Proposal | None, accepted: int, emitted: list[int]) -> int:
         self.last = emitted[-1]
+        return 0

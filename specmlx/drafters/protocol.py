@@ -41,9 +41,10 @@ class Drafter(Protocol):
     def propose(self, g: int, key: mx.array, draw: Draw, go_on: GoOn | None = None) -> Proposal:
         """At most g tokens that may follow the text so far (fewer where go_on says stop)."""
 
-    def commit(self, proposal: Proposal | None, accepted: int, emitted: list[int]) -> None:
+    def commit(self, proposal: Proposal | None, accepted: int, emitted: list[int]) -> int:
         """The round is over: the target accepted `accepted` drafts of `proposal` (None:
-        this drafter sat the round out) and the text grew by `emitted`."""
+        this drafter sat the round out) and the text grew by `emitted`. Returns how many
+        tokens it had to run again to undo the rejected ones (see caches.rewind)."""
 
 
 def point_mass(drafts: mx.array, vocab_size: int) -> mx.array:

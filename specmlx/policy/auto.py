@@ -87,7 +87,7 @@ class AutoGamma:
             judged = self.draft_tops[: min(n + 1, g)]
         draft_s = None if r.source == "probe" else r.draft_s
         passes = self._passes(r.proposal, g) if model_round else g
-        self.scheduler.record(g, n, r.verify_s, draft_s, passes, tops, judged)
+        self.scheduler.record(g, n, r.verify_s, draft_s, passes, tops, judged, r.rewind_s)
 
     def _passes(self, proposal: Proposal | None, g: int) -> float | None:
         """How many one-token draft passes a model round's draft time stands for, or None

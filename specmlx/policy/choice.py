@@ -126,7 +126,10 @@ class Scheduler:
         # When every draft passes, the last one was never fed to the draft model: the
         # next round's first draft pass takes it too, a two-token pass.
         carry = passing[-1] * c * ((self.costs.ratio(2) or 2.0) - 1) if g > 0 else 0.0
-        return tokens / (g * c + carry + verify)
+        # A cache that cannot be trimmed pays for each rejection by running the kept
+        # tokens again (caches.rewind).
+        rewind = (1 - passing[-1]) * self.costs.rewind_ratio if g > 0 else 0.0
+        return tokens / (g * c + carry + verify + rewind)
 
     def tps(self, rate: float) -> float:
         return rate / self.costs.t1 if self.costs.t1 else 0.0
@@ -233,12 +236,15 @@ class Scheduler:
         passes: float | None,
         tops: list[float] | None = None,
         draft_tops: list[float] | None = None,
+        rewind_s: float = 0.0,
     ) -> None:
         """A finished round: g drafts, n accepted; draft_s None for a cost-only probe;
         passes: one-token draft passes that draft_s stands for (None: not a clean figure);
         tops, draft_tops: the target's and the draft's top probability at each draft the
         target judged (min(n + 1, g) of them)."""
         self.costs.observe_target(g + 1, verify_s)
+        if rewind_s:
+            self.costs.observe_rewind(rewind_s)
         self.drafting = self.drafting + 1 if g > 0 else 0
         if g > 0 and draft_s is not None:
             if tops and not self.free_drafts:

@@ -60,6 +60,7 @@ class Costs:
     # that starts from no evidence rarely drafts at T = 1 and so never learns it (a
     # Session per call: auto 1.03x on sampled code where γ = 4 gained 1.19x).
     calibration: dict[str, list[list[float]]] = field(default_factory=dict)
+    rewind: list[float] = field(default_factory=list)  # a rewound rejection / T(1) seen
 
     @property
     def settled(self) -> bool:
@@ -84,6 +85,18 @@ class Costs:
         self._changed()
         if self.settled:
             _push(self.draft, seconds_per_pass / self.t1)
+
+    def observe_rewind(self, seconds: float) -> None:
+        """A round whose rejected drafts had to be rewound by running the kept tokens
+        again (a sliding window, a recurrent state: see caches.rewind)."""
+        self._changed()
+        if self.settled:
+            _push(self.rewind, seconds / self.t1)
+
+    @property
+    def rewind_ratio(self) -> float:
+        """What a rejection costs besides the round, in T(1)s: 0 for caches that trim."""
+        return median(self.rewind) if self.rewind else 0.0
 
     def _changed(self) -> None:
         """Forget the figures read from the samples. Each choice reads them dozens of
@@ -130,6 +143,7 @@ class Costs:
             # from one or two new steps (whose noise would skew every ratio of a call).
             "plain": {"pid": os.getpid(), "seconds": self.plain},
             "calibration": self.calibration,
+            "rewind": self.rewind,
         }
 
     @classmethod
@@ -145,7 +159,9 @@ class Costs:
             for kind, bands in data.get("calibration", {}).items()
             if len(bands) == len(BANDS) + 1
         }
-        return cls(mine, target, [float(r) for r in data["draft"]], float(data["t1"]), calibration)
+        draft = [float(r) for r in data["draft"]]
+        rewind = [float(r) for r in data.get("rewind", [])]
+        return cls(mine, target, draft, float(data["t1"]), calibration, rewind)
 
 
 def cost_cache_path() -> Path:

@@ -27,6 +27,9 @@ class Round:
     accepted: int
     draft_s: float  # planning and drafting, less any of the prompt the draft took
     verify_s: float  # the target's pass and the accept/reject
+    # Rewinding caches that cannot be trimmed (a pass over the kept tokens again, in the
+    # target or the draft), or 0 where nothing was run again.
+    rewind_s: float
     proposal: Proposal | None
     logits: mx.array  # the target's logits over the round's positions
     probs: mx.array | None  # the distribution the target was judged or sampled with
