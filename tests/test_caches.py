@@ -71,3 +71,82 @@ def test_greedy_speculation_with_padded_caches_equals_the_target(models, monkeyp
     assert isinstance(session.cache[0], PaddedKVCache)
     gen = specmlx.generate(target, "def f(x):", draft, max_tokens=40, num_draft=3, session=session)
     assert gen.run().tokens == baseline
+
+
+# --- rollback: trim, cut or rewind, and the cache is as if the rejected never ran ------
+
+
+@pytest.fixture(scope="module")
+def arch_models(tmp_path_factory):
+    from specmlx.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("rollback")
+    return {
+        arch: specmlx.load(build_tiny_model(root / arch, arch=arch, seed=0))
+        for arch in ("gemma3_text", "mamba2", "qwen3_next", "qwen3")
+    }
+
+
+CASES = [  # (architecture, how rollback is done after one pass over the round)
+    ("gemma3_text", "cut"),  # a sliding window just after a pass over several tokens
+    ("mamba2", "rewind"),
+    ("qwen3_next", "rewind"),
+    ("qwen3", "trim"),
+]
+
+
+@pytest.mark.parametrize("arch, how", CASES)
+@pytest.mark.parametrize("one_pass", [True, False], ids=["verify-pass", "draft-passes"])
+def test_a_rolled_back_round_leaves_the_cache_a_fresh_prefill_makes(
+    arch_models, arch, how, one_pass
+):
+    # The round's tokens go in as one pass (the target's verify) or one at a time (the
+    # draft's proposals); 2 of 5 are kept. Then the next token's logits must be those of
+    # a cache that only ever saw the kept history.
+    model = arch_models[arch]
+    rng = np.random.default_rng(1)
+    history = rng.integers(0, 250, size=30).tolist()  # past the window of 16
+    round_tokens = rng.integers(0, 250, size=5).tolist()
+    cache = caches.make_cache(model.module)
+    caches.prefill(model, cache, history)
+    saved = caches.checkpoint(cache)
+    passes = [round_tokens] if one_pass else [[t] for t in round_tokens]
+    for tokens in passes:
+        mx.eval(model.module(mx.array([tokens], mx.uint32), cache=cache))
+    rerun = caches.rewind(model, cache, saved, round_tokens[:2], dropped=3)
+    assert (rerun > 0) == (how == "rewind" or (how == "cut" and not one_pass))
+    fresh = caches.make_cache(model.module)
+    caches.prefill(model, fresh, history + round_tokens[:2])
+    x = mx.array([[7]], mx.uint32)
+    np.testing.assert_allclose(
+        np.array(model.module(x, cache=cache)),
+        np.array(model.module(x, cache=fresh)),
+        rtol=1e-4,
+        atol=1e-4,
+    )
+
+
+def test_a_timed_pass_leaves_a_recurrent_cache_as_it_was(arch_models):
+    model = arch_models["mamba2"]
+    cache, fresh = caches.make_cache(model.module), caches.make_cache(model.module)
+    for c in (cache, fresh):
+        caches.prefill(model, c, [1, 2, 3, 4, 5])
+    caches.timed_pass(model, cache, [6])
+    x = mx.array([[7]], mx.uint32)
+    assert mx.allclose(model.module(x, cache=cache), model.module(x, cache=fresh), atol=1e-5)
+
+
+def test_a_quantized_kv_cache_trims_exactly():
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    rng = np.random.default_rng(2)
+    kv = [mx.array(rng.normal(size=(1, 2, n, 64)), mx.float32) for n in (20, 5, 2)]
+    rolled, fresh = QuantizedKVCache(group_size=32, bits=8), QuantizedKVCache(32, 8)
+    rolled.update_and_fetch(kv[0], kv[0])
+    rolled.update_and_fetch(kv[1], kv[1])
+    caches.rewind(None, [rolled], caches.checkpoint([rolled]), [], dropped=3)
+    kept = mx.concatenate([kv[0], kv[1][:, :, :2]], axis=2)
+    fresh.update_and_fetch(kept, kept)
+    a = rolled.update_and_fetch(kv[2], kv[2])[0]
+    b = fresh.update_and_fetch(kv[2], kv[2])[0]
+    assert all(mx.array_equal(x, y) for x, y in zip(a, b, strict=True))
