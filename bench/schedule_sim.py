@@ -1,10 +1,11 @@
-"""Replay the γ policy (specmlx.policy.choice.Scheduler, the real class) on synthetic texts.
+"""Replay the γ policy (specmlx.policy.AutoGamma, the engine's own) on synthetic texts.
 
 A bench run on this CPU takes minutes per prompt and varies ±15% between identical runs,
 so it cannot tell a 3% policy change from noise. This script can: it runs the scheduler
 against a cost curve and an acceptance process, thousands of calls, and reports each
-policy's tokens per unit of time against plain decoding. It is a model of the engine
-(what `_decode` charges a round, how the draft catches up), not a measurement; the
+policy's tokens per unit of time against plain decoding. The policy is the engine's own
+(policy.AutoGamma and its Scheduler, shown each round what the engine shows it); what is
+simulated is what passes cost and whether drafts agree, not measured; the
 costs it starts from are the ones measured on this machine (bench/results/README.md).
 
     python bench/schedule_sim.py                       # every profile and text kind
@@ -23,8 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
 
+import mlx.core as mx
+
+from specmlx.drafters import CostProbe, Proposal
+from specmlx.policy import AutoGamma, Costs, FixedGamma, Round
 from specmlx.policy.choice import Scheduler
-from specmlx.policy.costs import Costs
 
 # Costs as ratios to one plain target step T(1): draft pass c, T(k)/T(1) = 1 + slope·(k-1).
 PROFILES = {
@@ -129,6 +133,58 @@ def ratio(profile: dict, k: int) -> float:
     return 1 + profile["slope"] * (k - 1)
 
 
+def sure(*tops: float) -> mx.array:
+    """Logits over two tokens whose softmax puts `top` on the first, one row per top: how
+    the policy's readers (verify.top_probabilities) see a distribution this sure."""
+    rows = [[math.log(max(t, 1e-9)), math.log(max(1 - t, 1e-9))] for t in tops]
+    return mx.array(rows, mx.float32)
+
+
+class SimDraft:
+    """The draft model as the engine's policy meets it (the Drafter protocol): each pass
+    costs `c` T(1)s, its first pass of a proposal also takes what it missed (priced on the
+    target's curve), and its confidence at each draft is the text's `draft_top`."""
+
+    name = "model"
+
+    def __init__(self, profile: dict, text_tops: list[float], jitter):
+        self.profile, self.draft_top, self.jitter = profile, text_tops, jitter
+        self.position = 0  # where the text is
+        self.missed = 0  # tokens the text gained while the draft sat out
+        self.proposals = 0
+        self.seconds = 0.0  # what the last proposal cost
+
+    def start(self, context: list[int]) -> None:
+        pass  # the prompt is fed as prefill: not decode time
+
+    def propose(self, g: int, key, draw, go_on=None) -> Proposal:
+        made = 0
+        while made < g:
+            made += 1
+            top = self.draft_top[self.position + made - 1]
+            if go_on is not None and not go_on(sure(top), None):
+                break
+        fed, first = self.missed, self.proposals == 0
+        self.proposals += 1
+        c = self.profile["c"]
+        self.seconds = self.jitter(c * (made - 1 + ratio(self.profile, fed + 1)))
+        return Proposal(mx.zeros((made,), mx.uint32), None, fed, first)
+
+    def commit(self, proposal: Proposal | None, accepted: int, emitted: list[int]) -> int:
+        self.position += len(emitted)
+        if proposal is None:
+            self.missed += len(emitted)
+        else:  # after a fully accepted round its last draft rides with the next pass
+            self.missed = 1 if accepted == proposal.tokens.shape[0] else 0
+        return 0
+
+    def time_pass(self) -> float:
+        """As ModelDrafter.time_pass: the best of two one-token passes."""
+        passes = [self.jitter(self.profile["c"]) for _ in range(2)]
+        self.seconds += sum(passes)
+        return min(passes)
+
+
 def run_call(
     profile: dict,
     text: Text | Trace,
@@ -139,59 +195,49 @@ def run_call(
     stop: bool = True,
 ) -> float:
     """One generate() call; returns its decode time in T(1)s. `state` carries what a
-    Session leaves behind between calls (the cached costs and acceptance). `stop`: auto's
-    rounds end early where the draft turns unsure (Scheduler.keep_drafting)."""
+    Session leaves behind between calls (the cached costs). The γ policy is the engine's
+    own (policy.AutoGamma or FixedGamma, the real classes) shown each round as the engine
+    shows it; only the passes' costs and the draft's agreement are simulated. `stop`:
+    auto's rounds end early where the draft turns unsure (Scheduler.keep_drafting)."""
     agree, top, draft_top = text.agreement(rng)
     timing = random.Random(rng.random())  # the policy's own draws leave the texts alone
 
     def jitter(x: float) -> float:
         return x * timing.lognormvariate(0, noise)
 
-    auto = gamma == "auto"
-    if auto:
+    draft = SimDraft(profile, draft_top, jitter)
+    probe = CostProbe(2, sampled=False)
+    if gamma == "auto":
         # One process: each call's Session goes on from the last one's costs.
         s = state.setdefault("scheduler", Scheduler(Costs(cached_t1=1.0)))
-        s.start_call(sampled=text.sampled)
-    tokens, time, backlog, position = 0, 0.0, 0, 0
-    prompt_pending = True  # the draft's prompt pass is charged to prefill, not decode
+        if not stop:
+            s.keep_drafting = lambda tops: True
+        policy = AutoGamma({"model": s}, draft, None, probe, 2, text.sampled)
+    else:
+        policy = FixedGamma(gamma, draft, None)
+    tokens, time = 0, 0.0
     while tokens < text.tokens:
-        choice = s.choose(text.max_tokens - tokens) if auto else None
-        g = choice.gamma if auto else gamma
-        g = min(g, text.tokens - tokens - 1)
-        probe = auto and choice.cost_probe
-        draft_s, passes, tops, draft_tops, retime = None, None, None, None, 0.0
-        clean = backlog <= 1  # the engine's rule: a long catch-up is no clean draft figure
-        if auto and stop and g > 1 and not probe:
-            made = 1  # as the engine: the draft's top after each pass decides on the next
-            while made < g and s.keep_drafting(draft_top[position : position + made]):
-                made += 1
-            g = made
-        if g > 0:
-            n = 0
-            while n < g and not probe and agree[position + n]:
-                n += 1
-            if not probe:
-                if prompt_pending:
-                    backlog, prompt_pending, clean = 0, False, True
-                # The draft feeds what it missed together with its first token.
-                passes = g - 1 + ratio(profile, backlog + 1)
-                draft_s = jitter(profile["c"] * passes)
-                tops = top[position : position + min(n + 1, g)]  # what verify reads
-                draft_tops = draft_top[position : position + min(n + 1, g)]
-            else:  # the engine re-times the draft by one pass, caught up or not
-                retime = 2 * jitter(profile["c"])  # the best of two passes
-                s.costs.observe_draft(retime / 2)
-            verify_s = jitter(ratio(profile, g + 1))
-            backlog = 1 if n == g and not probe else backlog + n + 1 if probe else 0
-        else:
-            n, verify_s, backlog = 0, jitter(1.0), backlog + 1
-            if auto and position > 0:  # as the engine: the reply's first token is no sign
-                s.observe_confidence(top[position])
-        if auto:
-            s.record(g, n, verify_s, draft_s, passes if clean else None, tops, draft_tops)
-        time += verify_s + (draft_s or 0.0) + retime
+        position = draft.position
+        draft.seconds = 0.0
+        plan = policy.plan(text.max_tokens - tokens)
+        asked = min(plan.gamma, text.tokens - tokens - 1)
+        proposal = plan.drafter.propose(asked, None, None, plan.go_on) if asked > 0 else None
+        g = 0 if proposal is None else proposal.tokens.shape[0]
+        n = 0
+        while n < g and plan.drafter is draft and agree[position + n]:
+            n += 1  # free guesses (the cost probe) never pass here
+        verify_s = jitter(ratio(profile, g + 1))
+        emitted = [0] * (n + 1)
+        for drafter in (draft, probe):
+            drafter.commit(proposal if drafter is plan.drafter else None, n, emitted)
+        source = "plain" if proposal is None else plan.drafter.name
+        draft_s = draft.seconds
+        logits = sure(*top[position : position + g + 1])
+        policy.observe(
+            Round(plan, source, asked, g, n, draft_s, verify_s, 0.0, proposal, logits, None)
+        )
+        time += verify_s + draft_s
         tokens += n + 1
-        position += n + 1
     return time
 
 
