@@ -72,7 +72,9 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(2)
     _register(argv)
     try:
-        app(args=argv, prog_name="specmlx", standalone_mode=False)
+        # Not standalone, so errors reach the handlers below; typer then *returns* the code
+        # of an Exit, and turns a Ctrl-C into Exit(130), which would otherwise be dropped.
+        exit_code = app(args=argv, prog_name="specmlx", standalone_mode=False)
     except SpecmlxError as e:
         if debug:
             raise
@@ -86,13 +88,22 @@ def main(argv: list[str] | None = None) -> None:
         hint = f" (see `{e.ctx.command_path} --help`)" if getattr(e, "ctx", None) else ""
         print(f"error: {e.format_message()}{hint}", file=sys.stderr)
         sys.exit(e.exit_code)
-    except typer.Exit as e:  # typer's own, not in its vendored click
-        sys.exit(e.exit_code)
     except (KeyboardInterrupt, typer.Abort):
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+        interrupted()
     except Exception as e:
         if debug:
             raise
         print(f"internal error: {type(e).__name__}: {e} (rerun with --debug)", file=sys.stderr)
         sys.exit(1)
+    if exit_code == INTERRUPTED:
+        interrupted()
+    if exit_code:  # commands return None: an int is the code of an Exit
+        sys.exit(exit_code)
+
+
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process that Ctrl-C stopped
+
+
+def interrupted() -> None:
+    print("interrupted", file=sys.stderr)
+    sys.exit(INTERRUPTED)

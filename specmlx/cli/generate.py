@@ -75,11 +75,16 @@ def generate(
         seed=seed,
     )
     shown = 0
-    for step in gen:
-        if not as_json:
-            sys.stdout.write(step.text)
-            sys.stdout.flush()
-            shown += len(step.text)
+    try:
+        for step in gen:
+            if not as_json:
+                sys.stdout.write(step.text)
+                sys.stdout.flush()
+                shown += len(step.text)
+    except KeyboardInterrupt:
+        if shown:  # end the line of text, so that "interrupted" gets one of its own
+            sys.stdout.write("\n")
+        raise
     first_token_s = timings["cold_start_s"] + gen.stats.ttft
     total_s = time.time() - report.process_start()
     stats = gen.stats

@@ -1,0 +1,96 @@
+"""What the CLI promises a user: Ctrl-C, bad input and the help each answered in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+def env(home) -> dict:
+    return {**os.environ, "SPECMLX_HOME": str(home)}
+
+
+def specmlx(*args: str, home, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "specmlx", *args],
+        capture_output=True,
+        env=env(home),
+        timeout=timeout,
+        **{"text": True, **kwargs},
+    )
+
+
+def one_error_line(run: subprocess.CompletedProcess, says: str) -> None:
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.startswith(f"error: {says}"), run.stderr
+    assert run.stderr.count("\n") == 1 and "internal error" not in run.stderr, run.stderr
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    return tmp_path_factory.mktemp("specmlx-home")
+
+
+@pytest.fixture(scope="module")
+def endless_target(model_dirs, tmp_path_factory):
+    """The target with its EOS moved to a padding id it never samples and a long context:
+    it generates until stopped, so a Ctrl-C always lands mid-run."""
+    path = tmp_path_factory.mktemp("endless") / "target"
+    shutil.copytree(model_dirs["target"], path)
+    config = json.loads((path / "config.json").read_text())
+    config["eos_token_id"] = config["vocab_size"] - 1
+    config["max_position_embeddings"] = 1_000_000
+    (path / "config.json").write_text(json.dumps(config))
+    tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+    tokenizer_config["eos_token"] = None
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return path
+
+
+def interrupt_once_started(args: list[str], home, started: str) -> tuple[int, str]:
+    """Run specmlx, send SIGINT once `started` shows on stdout or stderr; (rc, stderr)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specmlx", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env(home),
+    )
+    stdout, stderr = proc.stdout.fileno(), proc.stderr.fileno()
+    seen = {stdout: b"", stderr: b""}
+    deadline = time.monotonic() + 120
+    try:
+        while started.encode() not in b"".join(seen.values()):
+            assert proc.poll() is None, f"exited {proc.returncode} before {started!r}: {seen}"
+            assert time.monotonic() < deadline, f"no {started!r} in 120 s: {seen}"
+            ready, _, _ = select.select(list(seen), [], [], 1.0)
+            for fd in ready:
+                seen[fd] += os.read(fd, 65536)
+        proc.send_signal(signal.SIGINT)
+        _, rest = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    return proc.returncode, (seen[stderr] + rest).decode()
+
+
+def test_ctrl_c_in_generate_says_interrupted_and_exits_130(endless_target, home):
+    args = ["generate", "--model", str(endless_target), "--no-draft", "-p", "hi", "-n", "100000"]
+    # the last line of the start-up report: the reply streams right after it
+    rc, stderr = interrupt_once_started(args, home, "peak memory")
+    assert rc == 130, stderr
+    assert stderr.endswith("interrupted\n") and "Traceback" not in stderr, stderr
+
+
+def test_ctrl_c_in_bench_says_interrupted_and_exits_130(endless_target, model_dirs, home):
+    args = ["bench", "--model", str(endless_target), "--draft", str(model_dirs["perturbed"])]
+    args += ["--no-mlx-lm", "--no-warmup", "-g", "2", "-t", "0", "-n", "100000"]
+    rc, stderr = interrupt_once_started(args, home, " runs of ")
+    assert rc == 130, stderr
+    assert stderr.endswith("interrupted\n") and "Traceback" not in stderr, stderr
