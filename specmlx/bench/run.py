@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from ..errors import SpecmlxError
 from ..loading import Model
+from ..settings import check_max_tokens
 from .machine import (
     cpu_times,
     describe_model,
@@ -92,8 +93,7 @@ def run_bench(
     mode, temperature, elapsed_s, eta_s, records}. The result holds every raw record,
     the summary rows, the settings and the machine.
     """
-    if max_tokens < 1:
-        raise SpecmlxError(f"--max-tokens must be >= 1, got {max_tokens}")
+    check_max_tokens(max_tokens)
     if repeat < 1:
         raise SpecmlxError(f"--repeat must be >= 1, got {repeat}")
     if any(m.speculative for m in modes) and draft is None:

@@ -234,6 +234,7 @@ def bench(
 ) -> None:
     """Benchmark target alone vs speculative decoding (specmlx and mlx-lm), interleaved."""
     from .. import bench as lib
+    from ..settings import check_max_tokens
 
     err = Console(stderr=True, soft_wrap=True)
     if from_json is not None:
@@ -253,8 +254,7 @@ def bench(
         temperature or preset.get("temperature") or DEFAULTS["temperature"]
     )
     max_tokens = max_tokens or preset.get("max_tokens") or DEFAULTS["max_tokens"]
-    if max_tokens < 1:
-        raise options.SpecmlxError(f"--max-tokens must be >= 1, got {max_tokens}")
+    check_max_tokens(max_tokens)
     if repeat < 1:  # before loading the models, as for --max-tokens
         raise options.SpecmlxError(f"--repeat must be >= 1, got {repeat}")
     suite = lib.read_suite(suite_dir)
