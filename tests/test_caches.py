@@ -150,3 +150,24 @@ def test_a_quantized_kv_cache_trims_exactly():
     a = rolled.update_and_fetch(kv[2], kv[2])[0]
     b = fresh.update_and_fetch(kv[2], kv[2])[0]
     assert all(mx.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_a_chunked_kv_cache_is_rewound_to_what_a_fresh_prefill_makes(models):
+    # llama4's attention cache, which drops its front past a chunk: rewound, not trimmed.
+    from mlx_lm.models.cache import ChunkedKVCache
+
+    model = models["llama"]
+    rng = np.random.default_rng(3)
+    history, round_tokens = rng.integers(0, 250, size=30).tolist(), [5, 9, 11, 2, 40]
+
+    def chunked() -> list:
+        return [ChunkedKVCache(chunk_size=16) for _ in model.module.layers]
+
+    cache, fresh = chunked(), chunked()
+    caches.prefill(model, cache, history)
+    saved = caches.checkpoint(cache)
+    mx.eval(model.module(mx.array([round_tokens], mx.uint32), cache=cache))
+    assert caches.rewind(model, cache, saved, round_tokens[:2], dropped=3) == 2
+    caches.prefill(model, fresh, history + round_tokens[:2])
+    x = mx.array([[7]], mx.uint32)
+    assert mx.allclose(model.module(x, cache=cache), model.module(x, cache=fresh), atol=1e-5)
