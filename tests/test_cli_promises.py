@@ -94,3 +94,60 @@ def test_ctrl_c_in_bench_says_interrupted_and_exits_130(endless_target, model_di
     rc, stderr = interrupt_once_started(args, home, " runs of ")
     assert rc == 130, stderr
     assert stderr.endswith("interrupted\n") and "Traceback" not in stderr, stderr
+
+
+NOT_UTF8 = b"caf\xe9 au lait"  # Latin-1, as an old file or terminal would give it
+
+
+@pytest.mark.parametrize("how", ["argument", "--prompt", "--system"])
+def test_a_non_utf8_argument_is_one_line(how, home):
+    # A str with the surrogate Python decodes byte 0xe9 to: subprocess passes on the byte.
+    text = NOT_UTF8.decode("utf-8", "surrogateescape")
+    given = {
+        "argument": [text],
+        "--prompt": ["-p", text],
+        "--system": ["-p", "hi", "--system", text],
+    }
+    run = specmlx("generate", "--model", "tiny", *given[how], "-n", "2", home=home)
+    source = "--system" if how == "--system" else "the prompt"
+    one_error_line(run, f"{source} is not UTF-8 text: byte 0xe9 at offset 3")
+
+
+def test_a_non_utf8_prompt_file_is_one_line(home, tmp_path):
+    path = tmp_path / "latin1.txt"
+    path.write_bytes(NOT_UTF8)
+    run = specmlx("generate", "--model", "tiny", "-f", str(path), "-n", "2", home=home)
+    one_error_line(run, f"prompt file {path} is not UTF-8 text: byte 0xe9 at offset 3")
+
+
+def test_a_non_utf8_prompt_on_stdin_is_one_line(home):
+    run = specmlx(
+        "generate", "--model", "tiny", "-f", "-", "-n", "2", home=home, input=NOT_UTF8, text=False
+    )
+    run.stderr = run.stderr.decode()
+    one_error_line(run, "the prompt on stdin is not UTF-8 text: byte 0xe9 at offset 3")
+
+
+def test_a_utf8_prompt_on_stdin_is_read(home):
+    run = specmlx(
+        "generate",
+        "--model",
+        "tiny",
+        "-f",
+        "-",
+        "-n",
+        "2",
+        "--json",
+        home=home,
+        input="café au lait",
+    )
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["stats"]["prompt_tokens"] > 0
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**64)])
+def test_a_seed_out_of_range_is_one_line(seed, home):
+    run = specmlx("generate", "--model", "tiny", "-p", "hi", "--seed", seed, home=home)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.startswith("error: Invalid value for '--seed'"), run.stderr
+    assert "seeds must be >= 0" in run.stderr and run.stderr.count("\n") == 1, run.stderr

@@ -44,6 +44,8 @@ def generate(
     """Generate a reply to one prompt, speculatively when a draft is given."""
     num_draft = options.check_settings(max_tokens, temperature, top_p, top_k, gamma, draft_mode)
     text = options.read_prompt(prompt, prompt_file, prompt_arg)
+    if system is not None:
+        system = options.command_line_text(system, "--system")
     err = Console(stderr=True, soft_wrap=True, highlight=False)
     log = (lambda msg: None) if as_json else (lambda msg: err.print(f"[dim]{msg}[/dim]"))
     target, drafter, timings = options.load_timed(model, draft, no_draft, dtype, log, cpu_weights)

@@ -32,10 +32,21 @@ DraftMode = typer.Option(
     help="Where drafts come from: model (the draft model), lookup (n-grams of the prompt and "
     "output; no draft model needed), auto (lookup when the context has a match, else model).",
 )
+
+
+def seed_in_range(seed: int) -> int:
+    """MLX's random key takes an unsigned 64-bit seed: refuse others here, in one line,
+    rather than as a TypeError from deep inside the first sampling step."""
+    if not 0 <= seed < 2**64:
+        raise typer.BadParameter(f"seeds must be >= 0 (and < 2**64), got {seed}")
+    return seed
+
+
 Seed = typer.Option(
     0,
     "--seed",
     "-s",
+    callback=seed_in_range,
     help="Random seed: the same seed gives the same output at temperature 0 or with a fixed "
     "--gamma (auto follows timings, so it repeats the distribution, not the sample).",
 )
@@ -127,12 +138,31 @@ def read_prompt(prompt: str | None, prompt_file: Path | None, argument: str | No
     prompt = argument if argument is not None else prompt
     if prompt_file is not None:
         if str(prompt_file) == "-":
-            return sys.stdin.read()
+            return utf8(sys.stdin.buffer.read(), "the prompt on stdin")
         if not prompt_file.is_file():
             raise SpecmlxError(f"prompt file {prompt_file} does not exist")
-        return prompt_file.read_text()
+        return utf8(prompt_file.read_bytes(), f"prompt file {prompt_file}")
     if prompt is None:
         raise SpecmlxError(
             "no prompt: pass it as an argument, --prompt TEXT or --prompt-file FILE ('-' for stdin)"
         )
-    return prompt
+    return command_line_text(prompt, "the prompt")
+
+
+def utf8(data: bytes, source: str) -> str:
+    """data decoded, or refused in one line: tokenizers take UTF-8 text only."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecmlxError(
+            f"{source} is not UTF-8 text: byte 0x{data[e.start]:02x} at offset {e.start}"
+        ) from None
+
+
+def command_line_text(text: str, source: str) -> str:
+    """An argument checked for UTF-8: Python hands on bytes it could not decode from the
+    command line as lone surrogates, which the tokenizer rejects with a TypeError."""
+    try:
+        return utf8(text.encode("utf-8", "surrogateescape"), source)
+    except UnicodeEncodeError:  # a surrogate that no undecodable byte stands for
+        raise SpecmlxError(f"{source} is not UTF-8 text") from None
