@@ -70,6 +70,17 @@ def train_tokenizer(vocab_size: int = 300):
 # few layers of each kind the family mixes (sliding and full attention, recurrent and
 # attention layers), windows short enough that a test's prompt wraps them.
 _WINDOW = 16
+# Qwen3-Next / Qwen3.5: gated-delta (recurrent) layers, full attention every second layer.
+_GATED_DELTA = {
+    "num_hidden_layers": 4,
+    "head_dim": 16,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "full_attention_interval": 2,
+}
 ARCHITECTURES: dict[str, dict] = {
     "llama": {"architectures": ["LlamaForCausalLM"], "head_dim": 16},
     "qwen2": {"architectures": ["Qwen2ForCausalLM"]},
@@ -114,13 +125,7 @@ ARCHITECTURES: dict[str, dict] = {
         "time_step_rank": "auto",
     },
     "qwen3_next": {
-        "num_hidden_layers": 4,
-        "head_dim": 16,
-        "linear_num_value_heads": 4,
-        "linear_num_key_heads": 2,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "linear_conv_kernel_dim": 4,
+        **_GATED_DELTA,
         "num_experts": 4,
         "num_experts_per_tok": 2,
         "decoder_sparse_step": 1,
@@ -128,18 +133,8 @@ ARCHITECTURES: dict[str, dict] = {
         "mlp_only_layers": [],
         "moe_intermediate_size": 32,
         "partial_rotary_factor": 0.25,
-        "full_attention_interval": 2,
     },
-    "qwen3_5": {
-        "num_hidden_layers": 4,
-        "head_dim": 16,
-        "linear_num_value_heads": 4,
-        "linear_num_key_heads": 2,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "linear_conv_kernel_dim": 4,
-        "full_attention_interval": 2,
-    },
+    "qwen3_5": _GATED_DELTA,
     "lfm2": {
         "num_hidden_layers": 3,
         "norm_eps": 1e-5,

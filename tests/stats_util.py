@@ -1,9 +1,13 @@
-"""Chi-square goodness of fit with small cells merged, shared by the losslessness tests."""
+"""Chi-square goodness of fit with small cells merged, and the target's exact joint
+distribution of two tokens: shared by the losslessness tests."""
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 from scipy.stats import chisquare
+
+from specmlx.sampling import SamplingParams, probabilities
 
 ALPHA = 0.001  # significance of every goodness-of-fit test in this suite
 
@@ -27,3 +31,16 @@ def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
         exp[i] += exp.pop()
     exp = np.array(exp)
     return float(chisquare(np.array(obs), exp * (sum(obs) / exp.sum())).pvalue)
+
+
+def exact_joint(target, settings: dict, prompt: list[int]) -> np.ndarray:
+    """P(first = a, second = b) under the target alone, as a (V, V) array (one batched
+    forward over every possible first token)."""
+    params = SamplingParams(**settings)
+    v = target.vocab_size
+    p1 = probabilities(target.module(mx.array([prompt]))[0, -1, :v], params)
+    batch = mx.concatenate(
+        [mx.broadcast_to(mx.array(prompt), (v, len(prompt))), mx.arange(v)[:, None]], 1
+    )
+    p2 = probabilities(target.module(batch)[:, -1, :v], params)
+    return np.array(p1[:, None] * p2)

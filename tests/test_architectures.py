@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import _BaseCache
-from stats_util import ALPHA, chi_square_pvalue
+from stats_util import ALPHA, chi_square_pvalue, exact_joint
 
 import specmlx
 from specmlx.caches import layers
@@ -206,19 +206,6 @@ def test_the_cli_refuses_an_unknown_cache_kind_before_decoding(command, build, m
 S = 3000
 
 
-def exact_joint(target, prompt: list[int]) -> np.ndarray:
-    from specmlx.sampling import SamplingParams, probabilities
-
-    params = SamplingParams(temperature=1.0)
-    v = target.vocab_size
-    p1 = probabilities(target.module(mx.array([prompt]))[0, -1, :v], params)
-    batch = mx.concatenate(
-        [mx.broadcast_to(mx.array(prompt), (v, len(prompt))), mx.arange(v)[:, None]], 1
-    )
-    p2 = probabilities(target.module(batch)[:, -1, :v], params)
-    return np.array(p1[:, None] * p2)
-
-
 @pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_next"])
 def test_sampled_speculation_follows_the_target_distribution(arch, build):
     _, _, target, draft = build(arch)
@@ -241,4 +228,4 @@ def test_sampled_speculation_follows_the_target_distribution(arch, build):
         counts[a, b] += 1
         drafted, accepted = drafted + gen.stats.drafted, accepted + gen.stats.accepted
     assert 0.1 < accepted / drafted < 0.9  # rejections were rewound, many times
-    assert chi_square_pvalue(counts, exact_joint(target, prompt)) > ALPHA
+    assert chi_square_pvalue(counts, exact_joint(target, {"temperature": 1.0}, prompt)) > ALPHA

@@ -17,11 +17,11 @@ sharing the Session also checks that one call's sampling never leaks into the ne
 import mlx.core as mx
 import numpy as np
 import pytest
+import stats_util
 from stats_util import ALPHA, chi_square_pvalue
 
 import specmlx
 from specmlx import verify
-from specmlx.sampling import SamplingParams, probabilities
 from specmlx.tiny import build_tiny_model
 
 S = 3000
@@ -30,15 +30,7 @@ SETTINGS = {"T=1.0": dict(temperature=1.0), "T=0.7,top-p=0.9": dict(temperature=
 
 
 def exact_joint(target, settings, prompt=PROMPT) -> np.ndarray:
-    """P(first = a, second = b) under the target alone, as a (V, V) array."""
-    params = SamplingParams(**settings)
-    v = target.vocab_size
-    p1 = probabilities(target.module(mx.array([prompt]))[0, -1, :v], params)
-    batch = mx.concatenate(
-        [mx.broadcast_to(mx.array(prompt), (v, len(prompt))), mx.arange(v)[:, None]], 1
-    )
-    p2 = probabilities(target.module(batch)[:, -1, :v], params)
-    return np.array(p1[:, None] * p2)
+    return stats_util.exact_joint(target, settings, prompt)
 
 
 def sampled_pairs(
