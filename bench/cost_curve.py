@@ -1,6 +1,6 @@
 """The target's cost curve T(k)/T(1), alone and right after draft passes, and the draft's pass.
 
-The γ policy (specmlx.schedule) prices a round from ratios the engine times as it runs.
+The γ policy (specmlx.policy) prices a round from ratios the engine times as it runs.
 This script times the same passes outside the engine, so its figures can be checked:
 each target pass over k new tokens is timed with the caches trimmed back after it, k
 interleaved within each repeat, medians over repeats. "after drafts" runs three

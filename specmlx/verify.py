@@ -105,7 +105,7 @@ def top_probability(
     logits: mx.array, probs: mx.array | None, vocab_size: int, scratch: np.ndarray | None = None
 ) -> float:
     """The top probability of one distribution: at a plain step, what the γ policy reads as
-    a forecast of draft acceptance (schedule.py); at a draft, what ends a round early.
+    a forecast of draft acceptance (policy/); at a draft, what ends a round early.
     `probs`: what make_sampler drew from (None at temperature 0, where the top of the
     unprocessed softmax is read instead)."""
     return top_probabilities(logits, probs, 1, vocab_size, scratch)[0]
