@@ -151,3 +151,21 @@ def test_a_seed_out_of_range_is_one_line(seed, home):
     assert run.returncode == 2, run.stderr
     assert run.stderr.startswith("error: Invalid value for '--seed'"), run.stderr
     assert "seeds must be >= 0" in run.stderr and run.stderr.count("\n") == 1, run.stderr
+
+
+def test_brackets_in_the_start_up_log_come_out_intact(monkeypatch, capsys):
+    from specmlx.cli import main, report
+
+    # The advice the BLAS line gives where no fast BLAS is found (not on every machine).
+    advice = "no fast BLAS: pip install 'specmlx[cpu-fast]'"
+    startup_lines = report.startup_lines
+    monkeypatch.setattr(report, "startup_lines", lambda *args: [*startup_lines(*args), advice])
+    main(["generate", "--model", "tiny", "-p", "hi", "-n", "2"])
+    assert advice in capsys.readouterr().err
+
+
+def test_brackets_in_the_quantize_report_come_out_intact(model_dirs, home, tmp_path):
+    out = tmp_path / "q[int4]"
+    run = specmlx("quantize", str(model_dirs["target"]), "-o", str(out), home=home)
+    assert run.returncode == 0, run.stderr
+    assert f"wrote {out}: " in run.stderr, run.stderr

@@ -47,7 +47,11 @@ def generate(
     if system is not None:
         system = options.command_line_text(system, "--system")
     err = Console(stderr=True, soft_wrap=True, highlight=False)
-    log = (lambda msg: None) if as_json else (lambda msg: err.print(f"[dim]{msg}[/dim]"))
+
+    def log(msg: str) -> None:
+        if not as_json:  # plain text: rich markup would eat anything in [brackets]
+            err.print(msg, style="dim", markup=False)
+
     target, drafter, timings = options.load_timed(model, draft, no_draft, dtype, log, cpu_weights)
 
     from ..cpu import blas_info

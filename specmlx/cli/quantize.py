@@ -15,6 +15,7 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from rich.text import Text
 
 from . import app
 
@@ -83,6 +84,7 @@ def quantize(
     finally:
         if task is not None:
             bar.stop()
-    console.print(f"[green]wrote {summary.out}[/green]: {summary_line(summary)}")
+    # Text, not markup: a path or tensor name may hold [brackets] that markup would eat.
+    console.print(Text.assemble((f"wrote {summary.out}", "green"), f": {summary_line(summary)}"))
     if summary.unquantized:
-        console.print(f"left unquantized: {', '.join(summary.unquantized)}")
+        console.print(f"left unquantized: {', '.join(summary.unquantized)}", markup=False)
