@@ -168,4 +168,22 @@ def test_brackets_in_the_quantize_report_come_out_intact(model_dirs, home, tmp_p
     out = tmp_path / "q[int4]"
     run = specmlx("quantize", str(model_dirs["target"]), "-o", str(out), home=home)
     assert run.returncode == 0, run.stderr
-    assert f"wrote {out}: " in run.stderr, run.stderr
+    assert f"wrote {out} (" in run.stderr, run.stderr
+
+
+def test_quantize_refuses_an_existing_out_before_reading_the_source(home, tmp_path):
+    out = tmp_path / "existing"
+    out.mkdir()
+    # A source that does not exist: had it been read first, its error would come first.
+    run = specmlx("quantize", str(tmp_path / "no-such-model"), "-o", str(out), home=home)
+    one_error_line(run, f"{out} already exists; pass --force to replace it")
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_the_quantize_report_names_the_bits_written(bits, model_dirs, home, tmp_path):
+    out = tmp_path / "q"
+    run = specmlx("quantize", str(model_dirs["target"]), "-o", str(out), "-b", str(bits), home=home)
+    assert run.returncode == 0, run.stderr
+    assert f"wrote {out} (INT{bits} g64, embedding and head INT8" in run.stderr, run.stderr
+    assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == bits
+    assert ("native INT4 kernel" in run.stderr) == (bits == 4), run.stderr

@@ -1,4 +1,4 @@
-"""`specmlx quantize`: a HF directory, hub id or .gguf file → an MLX INT4 directory."""
+"""`specmlx quantize`: a HF directory, hub id or .gguf file → an MLX quantized directory."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from rich.progress import (
 )
 from rich.text import Text
 
+from ..errors import SpecmlxError
 from . import app
 
 
@@ -32,6 +33,15 @@ def progress_bar(console: Console) -> Progress:
         console=console,
         transient=True,
     )
+
+
+def format_line(bits: int, group_size: int, embed_bits: int) -> str:
+    """The format written, as asked (the converter refuses what it cannot write)."""
+    embeddings = "unquantized" if embed_bits == 16 else f"INT{embed_bits}"
+    line = f"INT{bits} g{group_size}, embedding and head {embeddings}"
+    if bits == 4:  # the only width whose linear layers specmlx's CPU kernel takes on
+        line += "; on CPU, specmlx's native INT4 kernel runs it"
+    return line
 
 
 def summary_line(summary) -> str:
@@ -67,6 +77,10 @@ def quantize(
     """Quantize a checkpoint into an MLX directory that specmlx and mlx-lm both load."""
     from ..convert import quantize as run
 
+    # At once, not after reading the source (a download, a GGUF header): convert checks
+    # this too, but only once it has opened the source.
+    if (out.expanduser().exists() or out.expanduser().is_symlink()) and not force:
+        raise SpecmlxError(f"{out} already exists; pass --force to replace it")
     console = Console(stderr=True, soft_wrap=True)
     bar = progress_bar(console)
     task = None
@@ -85,6 +99,7 @@ def quantize(
         if task is not None:
             bar.stop()
     # Text, not markup: a path or tensor name may hold [brackets] that markup would eat.
-    console.print(Text.assemble((f"wrote {summary.out}", "green"), f": {summary_line(summary)}"))
+    written = f" ({format_line(bits, group_size, embed_bits)}): {summary_line(summary)}"
+    console.print(Text.assemble((f"wrote {summary.out}", "green"), written))
     if summary.unquantized:
         console.print(f"left unquantized: {', '.join(summary.unquantized)}", markup=False)
