@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -187,3 +188,13 @@ def test_the_quantize_report_names_the_bits_written(bits, model_dirs, home, tmp_
     assert f"wrote {out} (INT{bits} g64, embedding and head INT8" in run.stderr, run.stderr
     assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == bits
     assert ("native INT4 kernel" in run.stderr) == (bits == 4), run.stderr
+
+
+@pytest.mark.parametrize("command", [[], ["generate"], ["chat"], ["quantize"], ["bench"]])
+def test_help_shows_flags_as_flags(command, home):
+    run = specmlx(*command, "--help", home=home)
+    assert run.returncode == 0, run.stderr
+    assert "<bool>" not in run.stdout and "--help " in run.stdout, run.stdout
+    if command == ["generate"]:
+        assert "[[" not in run.stdout  # the optional PROMPT bracketed once
+        assert re.search(r"^ +--no-draft +Plain decoding", run.stdout, re.MULTILINE), run.stdout

@@ -21,6 +21,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Plain help: typer's rich help shows <bool> after every flag, as if it took a value
+    # (its type column ignores is_flag), and reads [brackets] in help texts as markup.
+    rich_markup_mode=None,
 )
 
 

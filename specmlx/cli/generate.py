@@ -17,7 +17,7 @@ from . import app, options, report
 def generate(
     prompt_arg: str = typer.Argument(
         None,
-        metavar="[PROMPT]",
+        metavar="PROMPT",
         help="Prompt text (or --prompt / --prompt-file).",
         show_default=False,
     ),
