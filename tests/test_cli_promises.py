@@ -198,3 +198,24 @@ def test_help_shows_flags_as_flags(command, home):
     if command == ["generate"]:
         assert "[[" not in run.stdout  # the optional PROMPT bracketed once
         assert re.search(r"^ +--no-draft +Plain decoding", run.stdout, re.MULTILINE), run.stdout
+
+
+def test_version_prints_the_installed_version_and_exits_0(home):
+    from importlib.metadata import version
+
+    run = specmlx("--version", home=home)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == f"specmlx {version('specmlx')}\n" and run.stderr == ""
+
+
+def test_version_falls_back_on_the_packages_own(monkeypatch):
+    import importlib.metadata
+
+    import specmlx
+    from specmlx.cli import version
+
+    def not_installed(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    assert version() == specmlx.__version__

@@ -27,6 +27,26 @@ app = typer.Typer(
 )
 
 
+def version() -> str:
+    """The installed distribution's version; the package's own where it is not installed
+    (run from a source tree)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed_version
+
+    try:
+        return installed_version("specmlx")
+    except PackageNotFoundError:
+        from .. import __version__
+
+        return __version__
+
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        print(f"specmlx {version()}")
+        raise typer.Exit()
+
+
 @app.callback()
 def _root(
     debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
@@ -35,6 +55,13 @@ def _root(
         "--no-fast-blas",
         help="With --cpu-weights fp32: keep MLX's bundled BLAS, do not load OpenBLAS "
         "(also SPECMLX_FAST_BLAS=0).",
+    ),
+    show_version: bool = typer.Option(
+        False,
+        "--version",
+        is_eager=True,  # before a missing command is complained of
+        callback=_print_version,
+        help="Print the version and exit.",
     ),
 ) -> None:
     """Quantized speculative decoding on MLX."""
