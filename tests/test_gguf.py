@@ -1,14 +1,17 @@
 """GGUF input: tiny models written the way llama.cpp's converter writes them, read back.
 
 The writer below mirrors convert_hf_to_gguf.py's choices (names, llama q/k permutation,
-1-D tensors kept F32, vocabulary padded with unused [PAD] tokens), so reading its output
+llama 3's rope scaling as a rope_freqs tensor, Gemma 3's norms stored as 1 + w, 1-D
+tensors kept F32, vocabulary padded with unused [PAD] tokens), so reading its output
 back tests what a real GGUF exercises.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -19,6 +22,7 @@ import specmlx
 from specmlx.convert import quantize
 from specmlx.convert.gguf import _unpermute, hf_name
 from specmlx.errors import SpecmlxError
+from specmlx.tiny import build_tiny_model
 
 GGUF_NAMES = {
     "model.embed_tokens": "token_embd",
@@ -33,6 +37,22 @@ GGUF_NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+}
+GEMMA3_GGUF_NAMES = {
+    **GGUF_NAMES,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+GGUF_ARCHITECTURES = {"gemma3_text": "gemma3"}
+LLAMA3_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
 }
 MIXED_TEXT = (
     "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\n"
@@ -46,12 +66,31 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, head_dim // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_name(hf: str) -> str:
+def llama3_rope_freqs(scaling: dict, head_dim: int, base: float) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel rope_freqs for a "llama3" rope_scaling, restated."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_context / low, old_context / high
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * base ** (i / head_dim)
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def gguf_name(hf: str, model_type: str = "llama") -> str:
+    names = GEMMA3_GGUF_NAMES if model_type == "gemma3_text" else GGUF_NAMES
     stem, kind = hf.rsplit(".", 1)
     if stem.startswith("model.layers."):
         _, _, layer, module = stem.split(".", 3)
-        return f"blk.{layer}.{GGUF_NAMES[module]}.{kind}"
-    return f"{GGUF_NAMES[stem]}.{kind}"
+        return f"blk.{layer}.{names[module]}.{kind}"
+    return f"{names[stem]}.{kind}"
 
 
 def write_gguf(
@@ -67,7 +106,7 @@ def write_gguf(
 
     config = json.loads((model_dir / "config.json").read_text())
     model_type = config["model_type"]
-    writer = gguf.GGUFWriter(str(path), arch or model_type)
+    writer = gguf.GGUFWriter(str(path), arch or GGUF_ARCHITECTURES.get(model_type, model_type))
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -76,6 +115,13 @@ def write_gguf(
     writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(config["rope_theta"])
+    if "head_dim" in config:
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+    if model_type == "gemma3_text":
+        writer.add_sliding_window(config["sliding_window"])
+        # llama.cpp hard-codes gemma3's 6; the tiny model's 2 must travel as metadata
+        writer.add_sliding_window_pattern(config["sliding_window_pattern"])
 
     tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
     vocab = tokenizer["model"]["vocab"]
@@ -104,13 +150,22 @@ def write_gguf(
             array = llama_cpp_permute(array, config["num_attention_heads"])
         elif model_type == "llama" and ".self_attn.k_proj." in name:
             array = llama_cpp_permute(array, config["num_key_value_heads"])
+        elif model_type == "gemma3_text" and name.endswith("norm.weight"):
+            array = array + 1  # Gemma3Model.modify_tensors: norm_shift
+        target = gguf_name(name, model_type)
         if array.ndim == 1:
-            writer.add_tensor(gguf_name(name), array)
+            writer.add_tensor(target, array)
         elif qtype == "F16":
-            writer.add_tensor(gguf_name(name), array.astype(np.float16))
+            writer.add_tensor(target, array.astype(np.float16))
         else:
             kind = gguf.GGMLQuantizationType[qtype]
-            writer.add_tensor(gguf_name(name), gguf.quants.quantize(array, kind), raw_dtype=kind)
+            writer.add_tensor(target, gguf.quants.quantize(array, kind), raw_dtype=kind)
+    if (config.get("rope_scaling") or {}).get("rope_type") == "llama3":
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        scaling = config["rope_scaling"]
+        writer.add_tensor(
+            "rope_freqs.weight", llama3_rope_freqs(scaling, head_dim, config["rope_theta"])
+        )
     if extra_tensor is not None:
         name, type_name = extra_tensor
         kind = gguf.GGMLQuantizationType[type_name]
@@ -123,14 +178,63 @@ def write_gguf(
     return path
 
 
+def edit_model(
+    source: Path, dest: Path, config_changes: dict, drop: tuple[str, ...] = (), zero: str = "\0"
+) -> Path:
+    """A copy of the tiny model at `source` with its config changed, tensors dropped and
+    those whose names end with `zero` zeroed."""
+    shutil.copytree(source, dest)
+    config = json.loads((dest / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps({**config, **config_changes}, indent=2))
+    weights = {
+        k: mx.zeros_like(v) if k.endswith(zero) else v
+        for k, v in mx.load(str(dest / "model.safetensors")).items()
+        if k not in drop
+    }
+    mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return dest
+
+
 @pytest.fixture(scope="module")
-def gguf_files(model_dirs, tmp_path_factory):
+def layout_dirs(model_dirs, tmp_path_factory):
+    """One tiny model per GGUF layout: qwen2, llama, llama 3 (rope scaling), qwen3, gemma3."""
+    root = tmp_path_factory.mktemp("layouts")
+    gemma = build_tiny_model(root / "gemma3-untied", arch="gemma3_text", seed=6)
+    return {
+        "target": model_dirs["target"],
+        "llama": model_dirs["llama"],
+        "llama3": edit_model(
+            model_dirs["llama"], root / "llama3", {"rope_scaling": LLAMA3_ROPE_SCALING}
+        ),
+        "qwen3": build_tiny_model(root / "qwen3", arch="qwen3", seed=5),
+        # Gemma 3 ties its head (llama.cpp writes none); its norms start at 0 (x1, where
+        # trained ones sit), not mlx-lm's random init of 1 (x2, four times per layer)
+        "gemma3": edit_model(
+            gemma,
+            root / "gemma3",
+            {"tie_word_embeddings": True},
+            drop=("lm_head.weight",),
+            zero="norm.weight",
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def layout_models(layout_dirs):
+    return {name: specmlx.load(path) for name, path in layout_dirs.items()}
+
+
+@pytest.fixture(scope="module")
+def gguf_files(layout_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf")
     return {
-        (name, qtype): write_gguf(model_dirs[name], root / f"{name}-{qtype}.gguf", qtype)
-        for name in ("target", "llama")
+        (name, qtype): write_gguf(layout_dirs[name], root / f"{name}-{qtype}.gguf", qtype)
+        for name in layout_dirs
         for qtype in ("F16", "Q8_0")
     }
+
+
+LAYOUTS = ["target", "llama", "llama3", "qwen3", "gemma3"]
 
 
 def load_all(path: Path) -> dict[str, mx.array]:
@@ -145,13 +249,13 @@ def greedy(module, prompt: list[int], steps: int) -> list[int]:
     return tokens[len(prompt) :]
 
 
-@pytest.mark.parametrize("name", ["target", "llama"])
+@pytest.mark.parametrize("name", LAYOUTS)
 def test_f16_gguf_quantizes_bit_for_bit_like_its_safetensors_source(
-    name, model_dirs, gguf_files, tmp_path
+    name, layout_dirs, gguf_files, tmp_path
 ):
     settings = dict(bits=4, embed_bits=4, dtype="float16")
     quantize(gguf_files[name, "F16"], tmp_path / "from-gguf", **settings)
-    quantize(model_dirs[name], tmp_path / "from-hf", **settings)
+    quantize(layout_dirs[name], tmp_path / "from-hf", **settings)
     ours, reference = load_all(tmp_path / "from-gguf"), load_all(tmp_path / "from-hf")
     assert sorted(ours) == sorted(reference)
     for key in reference:
@@ -163,14 +267,14 @@ def test_f16_gguf_quantizes_bit_for_bit_like_its_safetensors_source(
 # original's greedy continuation, every position's logits must stay within `tolerance` x
 # their range of the original's, and the greedy choice must be the same wherever the
 # original's top two are further apart than that error bound.
-@pytest.mark.parametrize("name", ["target", "llama"])
+@pytest.mark.parametrize("name", LAYOUTS)
 @pytest.mark.parametrize("qtype, tolerance", [("F16", 0.01), ("Q8_0", 0.015)])
 def test_gguf_round_trip_keeps_greedy_tokens_and_logits(
-    name, qtype, tolerance, models, gguf_files, tmp_path
+    name, qtype, tolerance, layout_models, gguf_files, tmp_path
 ):
     quantize(gguf_files[name, qtype], tmp_path / "q", bits=8, embed_bits=16, dtype="float32")
-    original, converted = models[name].module, specmlx.load(tmp_path / "q").module
-    prompt = models[name].tokenizer.encode("def fib(n):")
+    original, converted = layout_models[name].module, specmlx.load(tmp_path / "q").module
+    prompt = layout_models[name].tokenizer.encode("def fib(n):")
     expected = greedy(original, prompt, 16)
     sequence = mx.array([prompt + expected])
     reference = original(sequence)[0, len(prompt) - 1 : -1].astype(mx.float32)
@@ -203,11 +307,24 @@ def test_gguf_model_is_accepted_as_draft_for_its_original(models, gguf_files, tm
     specmlx.loading.check_pair(models["target"], specmlx.load(tmp_path / "q"))
 
 
-def test_config_is_rebuilt_from_gguf_metadata(model_dirs, gguf_files, tmp_path):
-    quantize(gguf_files["llama", "F16"], tmp_path / "q")
+LAYOUT_KEYS = {
+    "llama3": ("rope_scaling", "head_dim"),
+    "qwen3": ("head_dim",),
+    "gemma3": (
+        "head_dim",
+        "query_pre_attn_scalar",
+        "sliding_window",
+        "sliding_window_pattern",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_config_is_rebuilt_from_gguf_metadata(name, layout_dirs, gguf_files, tmp_path):
+    quantize(gguf_files[name, "F16"], tmp_path / "q")
     config = json.loads((tmp_path / "q" / "config.json").read_text())
-    original = json.loads((model_dirs["llama"] / "config.json").read_text())
-    for key in (
+    original = json.loads((layout_dirs[name] / "config.json").read_text())
+    for key in LAYOUT_KEYS.get(name, ()) + (
         "model_type",
         "hidden_size",
         "intermediate_size",
@@ -231,6 +348,15 @@ def test_gguf_names_map_to_hugging_face_names():
     assert hf_name("blk.11.attn_k.bias") == "model.layers.11.self_attn.k_proj.bias"
     assert hf_name("blk.0.ffn_down.weight") == "model.layers.0.mlp.down_proj.weight"
     assert hf_name("rope_freqs.weight") is None
+    assert hf_name("blk.2.attn_q_norm.weight", "qwen3") == "model.layers.2.self_attn.q_norm.weight"
+    # the same GGUF name is a different norm in Gemma 3
+    assert hf_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
+    gemma = {
+        "blk.0.ffn_norm.weight": "model.layers.0.pre_feedforward_layernorm.weight",
+        "blk.0.post_attention_norm.weight": "model.layers.0.post_attention_layernorm.weight",
+        "blk.0.post_ffw_norm.weight": "model.layers.0.post_feedforward_layernorm.weight",
+    }
+    assert {name: hf_name(name, "gemma3") for name in gemma} == gemma
 
 
 def test_unpermute_inverts_llama_cpp_permute():
@@ -266,12 +392,18 @@ def test_unsupported_gguf_quant_type_is_named(model_dirs, tmp_path):
 
 def test_unsupported_gguf_architecture_lists_the_supported_ones(model_dirs, tmp_path):
     path = write_gguf(model_dirs["target"], tmp_path / "gemma.gguf", arch="gemma")
-    bad_gguf(path, r"unsupported GGUF architecture 'gemma'; supported: llama, qwen2")
+    bad_gguf(path, r"unsupported GGUF architecture 'gemma'; supported: llama, qwen2, qwen3, gemma3")
 
 
 def test_unsupported_gguf_tokenizer_type_is_named(model_dirs, tmp_path):
-    path = write_gguf(model_dirs["target"], tmp_path / "spm.gguf", tokenizer_model="llama")
-    bad_gguf(path, "GGUF tokenizer type 'llama' is not supported")
+    path = write_gguf(model_dirs["target"], tmp_path / "bert.gguf", tokenizer_model="bert")
+    bad_gguf(path, "GGUF tokenizer type 'bert' is not supported")
+
+
+def test_llama3_rope_scaling_other_than_llama_3_s_band_is_refused(layout_dirs, tmp_path):
+    scaling = {**LLAMA3_ROPE_SCALING, "high_freq_factor": 2.0}
+    model = edit_model(layout_dirs["llama"], tmp_path / "odd", {"rope_scaling": scaling})
+    bad_gguf(write_gguf(model, tmp_path / "odd.gguf"), "rope_freqs do not match")
 
 
 def test_missing_gguf_file_is_refused(tmp_path):

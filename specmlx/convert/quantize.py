@@ -36,7 +36,7 @@ KEEP = 16  # --embed-bits 16: leave embedding and head unquantized, in --dtype
 OUTPUT_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 # Architectures whose mlx-lm `sanitize` only drops or renames tensors, so it can run on
 # tensor descriptions instead of loaded arrays (what streaming needs).
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 MAX_SHARD_BYTES = 5 << 30  # mlx-lm's MAX_FILE_SIZE_GB
 CHUNK_ELEMENTS = 1 << 23  # rows read per step: ~32 MB of float32, whatever the tensor
 TOKENIZER_FILES = (
