@@ -219,3 +219,19 @@ def test_version_falls_back_on_the_packages_own(monkeypatch):
 
     monkeypatch.setattr(importlib.metadata, "version", not_installed)
     assert version() == specmlx.__version__
+
+
+@pytest.mark.parametrize("template", [[], ["--raw"]])
+def test_generate_refuses_a_prompt_longer_than_the_context(template, home):
+    # 3000 "~" are 3000 tokens or more; the tiny model's max_position_embeddings is 2048
+    run = specmlx("generate", "--model", "tiny", *template, "-p", "~" * 3000, "--json", home=home)
+    one_error_line(run, "the prompt is ")
+    assert "tokens and target takes 2048" in run.stderr, run.stderr
+
+
+def test_generate_stops_at_the_end_of_the_context(home):
+    args = ["--model", "tiny", "--no-draft", "--raw", "-p", "~" * 2045, "-n", "50", "--json"]
+    run = specmlx("generate", *args, home=home)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert out["stats"]["prompt_tokens"] == 2045 and out["stats"]["tokens"] <= 3

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from ..errors import SpecmlxError
 from . import app, options, report
 
 
@@ -55,6 +57,7 @@ def generate(
     target, drafter, timings = options.load_timed(model, draft, no_draft, dtype, log, cpu_weights)
 
     from ..cpu import blas_info
+    from ..engine import encode_prompt
     from ..engine import generate as run
     from ..loading import backend
 
@@ -62,19 +65,35 @@ def generate(
         for line in report.startup_lines(target, drafter, timings, backend()):
             log(line)
     tokenizer = target.tokenizer
-    if not raw and getattr(tokenizer, "has_chat_template", False):
-        messages = [{"role": "system", "content": system}] if system else []
-        messages.append({"role": "user", "content": text})
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    else:
-        ids = text
+    # transformers warns of a prompt longer than the model's context on its own; the
+    # check below says so in one line, so its warning would only be a second.
+    transformers_log = logging.getLogger("transformers")
+    level = transformers_log.level
+    transformers_log.setLevel(logging.ERROR)
+    try:
+        if not raw and getattr(tokenizer, "has_chat_template", False):
+            messages = [{"role": "system", "content": system}] if system else []
+            messages.append({"role": "user", "content": text})
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        else:
+            ids = encode_prompt(target, text)
+    finally:
+        transformers_log.setLevel(level)
+    # As chat does: past its context a model's positions are ones it never learned, and
+    # a long prompt would otherwise be prefilled in full before anything was said.
+    limit = target.config.get("max_position_embeddings")
+    room = limit - len(ids) if limit else max_tokens
+    if room < 1:
+        raise SpecmlxError(
+            f"the prompt is {len(ids)} tokens and {target.name} takes {limit}; shorten it"
+        )
     gen = run(
         target,
         ids,
         num_draft=num_draft,
         draft_mode=draft_mode,
         draft=drafter,
-        max_tokens=max_tokens,
+        max_tokens=min(max_tokens, room),
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
