@@ -6,6 +6,7 @@ import json
 import os
 import re
 import select
+import shlex
 import shutil
 import signal
 import subprocess
@@ -235,3 +236,18 @@ def test_generate_stops_at_the_end_of_the_context(home):
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     assert out["stats"]["prompt_tokens"] == 2045 and out["stats"]["tokens"] <= 3
+
+
+def test_interpreter_start_up_leaves_out_a_shell_that_ran_before_exec(home):
+    # /proc's start time is the fork, which exec keeps: the shell's 2 s would be counted.
+    command = f"sleep 2; exec {shlex.quote(sys.executable)} -m specmlx generate --model tiny"
+    run = subprocess.run(
+        ["bash", "-c", command + " -p hi -n 2 --json"],
+        capture_output=True,
+        text=True,
+        env=env(home),
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    timings = json.loads(run.stdout)["timings"]
+    assert 0 < timings["interpreter_s"] < 2, timings

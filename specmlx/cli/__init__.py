@@ -13,7 +13,7 @@ except ImportError:  # pragma: no cover
     from click import exceptions as click_errors
 
 from ..errors import SpecmlxError
-from . import started  # noqa: F401  (stamps the time report.process_start falls back on)
+from . import started  # noqa: F401  (stamps the start time report.process_start gives)
 
 app = typer.Typer(
     name="specmlx",
@@ -68,7 +68,7 @@ def _root(
 
 
 # One module per command; each registers itself on `app` when imported.
-COMMANDS = ("bench", "chat", "generate", "quantize")
+COMMANDS = ("bench", "chat", "generate", "quantize", "serve")
 
 
 def _register(argv: list[str]) -> None:

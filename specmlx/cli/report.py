@@ -5,29 +5,16 @@ Every number comes from Stats, the load timings or the allocator; nothing is re-
 
 from __future__ import annotations
 
-import os
 import resource
 import sys
-import time
-from pathlib import Path
 
-from .started import IMPORTED_AT
+from .started import STARTED_AT
 
 
 def process_start() -> float:
-    """Wall-clock time at which this process started.
-
-    Linux: from /proc (10 ms resolution), so interpreter start-up is counted too.
-    Elsewhere: when the CLI package was imported, which misses only the interpreter.
-    """
-    try:
-        # Fields after "pid (comm)": index 19 is starttime, in clock ticks after boot.
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return time.time() - (uptime - started)
-    except (OSError, ValueError, IndexError):
-        return IMPORTED_AT
+    """Wall-clock time at which the interpreter began (not a shell that exec'd it: see
+    started.py)."""
+    return STARTED_AT
 
 
 def human_bytes(n: float) -> str:
