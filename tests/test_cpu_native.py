@@ -295,7 +295,7 @@ def test_load_patches_int4_models_on_cpu(quantized_tiny, model_dirs, tmp_path):
 @pytest.mark.parametrize("size", [1, 15, 16, 17, 63, 64, 65, 1000, 151_665])
 def test_softmax_is_the_exact_softmax_within_float32_rounding(size, each_isa):
     # Against float64. MLX's own softmax sums a row in one float32 pass: 5e-5 off over
-    # 152k logits; the kernel's partial sums stay within 1e-5 (AVX-512) and 3e-6 (scalar).
+    # 152k logits; the kernel's partial sums stay within 1e-5 (AVX-512, AVX2) and 3e-6 (scalar).
     x = mx.random.normal((3, size), key=mx.random.key(size)) * 6.0
     exact = np.exp(np.array(x, np.float64) - np.array(x, np.float64).max(-1, keepdims=True))
     exact /= exact.sum(-1, keepdims=True)
@@ -314,6 +314,71 @@ def test_softmax_gives_masked_tokens_exactly_zero(each_isa):
         native._ext.set_isa(isa)
         out = native.softmax(x)[0].tolist()
         assert [i for i, p in enumerate(out) if p == 0.0] == [1, 3] + list(range(4, 17)), isa
+
+
+@pytest.fixture(params=["scalar", "avx2", "avx512"])
+def forced_isa(request):
+    """The kernels forced to one ISA (skipped where this CPU lacks it); the best restored after."""
+    if not native.available():
+        pytest.skip(f"native kernel not available: {native.reason()}")
+    best = native._ext.isa()
+    names = ["scalar", "avx2", "avx512"]
+    if names.index(request.param) > names.index(best):
+        pytest.skip(f"this CPU has no {request.param} (best: {best})")
+    native._ext.set_isa(request.param)
+    yield request.param
+    native._ext.set_isa(best)
+
+
+def hard_rows(size):
+    """Rows that stress the exp and the tail handling: -inf (masked) entries, values far below
+    the max (a denormal or zero exp, down to -3.4e38), logits around 1e4 (exp overflows unless
+    the max is taken off first), and all -inf but one entry. float32, shape (4, size)."""
+    rng = np.random.default_rng(size)
+    base = rng.standard_normal(size).astype(np.float32) * 6.0
+    masked = base.copy()
+    masked[1::3] = -np.inf
+    far = base.copy()
+    extremes = np.array([-88.0, -100.0, -103.9, -104.1, -150.0, -1e30, -3.4e38], np.float32)
+    far[2::3] = np.resize(extremes, far[2::3].shape)
+    lone = np.full(size, -np.inf, np.float32)
+    lone[size // 2] = 2.5
+    return np.stack([masked, far, base + 1e4, lone])
+
+
+@needs_native
+@pytest.mark.parametrize("size", [1, 7, 8, 9, 1000, 151_936])
+def test_softmax_on_masked_and_extreme_rows(size, forced_isa):
+    x = hard_rows(size)
+    x64 = x.astype(np.float64)
+    exact = np.exp(x64 - x64.max(-1, keepdims=True))
+    exact /= exact.sum(-1, keepdims=True)
+    out = np.array(native.softmax(mx.array(x)), np.float64)
+    assert not np.isnan(out).any()
+    # the same tolerance as the Gaussian rows above; atol only for denormal outputs
+    np.testing.assert_allclose(out, exact, rtol=1e-5, atol=1e-30)
+    assert (out[x == -np.inf] == 0.0).all()  # a masked token can never be drawn
+    assert out[3, size // 2] == 1.0
+
+
+@needs_native
+@pytest.mark.parametrize("size", [7, 9, 1000, 151_936])
+def test_softmax_avx2_is_close_to_avx512(size):
+    # The AVX2 exp computes AVX-512's to the bit; only the order of the float32 sums differs.
+    best = native._ext.isa()
+    if best != "avx512":
+        pytest.skip(f"needs both avx2 and avx512 (best: {best})")
+    x = mx.array(np.concatenate([hard_rows(size), np.random.default_rng(0).normal(size=(2, size))]))
+    x = x.astype(mx.float32)
+    try:
+        native._ext.set_isa("avx2")
+        avx2 = np.array(native.softmax(x))
+        native._ext.set_isa("avx512")
+        avx512 = np.array(native.softmax(x))
+    finally:
+        native._ext.set_isa(best)
+    np.testing.assert_allclose(avx2, avx512, rtol=1e-6, atol=1e-37)
+    assert ((avx2 == 0.0) == (avx512 == 0.0)).all()
 
 
 @needs_native
