@@ -11,6 +11,7 @@ import filecmp
 import json
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from mlx.utils import tree_map
 
 from . import cpu
 from .errors import SpecmlxError
+from .safetensors import read_header
 
 # Files a model needs; everything else in a hub repo (READMEs, GGUFs, ONNX) is skipped.
 HUB_PATTERNS = [
@@ -30,6 +32,10 @@ HUB_PATTERNS = [
     "*.txt",
     "*.jinja",
 ]
+
+# Files the tokenizer is read from (beside tokenizer.model / *.tiktoken, which are binary).
+TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+FIX = "re-download or re-convert the model"
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -97,13 +103,54 @@ def resolve_path(path_or_repo: str | Path) -> Path:
 
 
 def read_config(path: Path) -> dict:
+    """config.json as a dict; SpecmlxError if it is missing or corrupt."""
     config_file = path / "config.json"
     if not config_file.exists():
         raise SpecmlxError(f"{path} has no config.json: not a Hugging Face / MLX model directory")
+    return read_json_object(config_file)
+
+
+def read_json(file: Path) -> Any:
+    """The value a JSON file holds; SpecmlxError naming the file when it is not JSON."""
     try:
-        return json.loads(config_file.read_text())
+        return json.loads(file.read_bytes())
     except json.JSONDecodeError as e:
-        raise SpecmlxError(f"{config_file} is not valid JSON ({e.msg} at line {e.lineno})") from e
+        problem = str(e)
+    except UnicodeDecodeError:
+        problem = "not UTF-8 text"
+    except RecursionError:
+        problem = "nested too deeply"
+    raise SpecmlxError(f"{file} is not valid JSON ({problem}); {FIX}")
+
+
+def read_json_object(file: Path) -> dict:
+    """read_json, refusing anything but an object (a dict)."""
+    value = read_json(file)
+    if not isinstance(value, dict):
+        kind = "null" if value is None else type(value).__name__
+        raise SpecmlxError(f"{file} holds a JSON {kind}, not an object; {FIX}")
+    return value
+
+
+def model_classes(config: dict, config_file: Path) -> tuple[type, type]:
+    """mlx-lm's model and args classes for config's model_type; SpecmlxError if it has none."""
+    from mlx_lm import __version__ as mlx_lm_version
+    from mlx_lm.utils import _get_classes
+
+    try:
+        return _get_classes(config)
+    except ValueError:  # mlx-lm's "Model type X not supported."
+        raise SpecmlxError(
+            f"{config_file}: model_type {config['model_type']!r} is not an architecture "
+            f"mlx-lm {mlx_lm_version} knows; upgrade mlx-lm (pip install -U mlx-lm) or pick "
+            "another model"
+        ) from None
+
+
+def one_line(error: Exception, limit: int = 300) -> str:
+    """An exception's message on one line, cut when long (mlx-lm lists missing weights)."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def pick_dtype(config: dict, requested: str = "auto") -> str:
@@ -154,17 +201,30 @@ def load(
     `cpu_weights` "fp32" expands INT4 weights to float32 for a fast BLAS, "int4" keeps
     them, "auto" keeps them where the native kernel runs (specmlx.cpu.fp32).
     """
-    from mlx_lm.utils import load_model, load_tokenizer
+    from mlx_lm.utils import load_model
 
     path = resolve_path(path_or_repo)
     config = read_config(path)
-    if not list(path.glob("model*.safetensors")):
+    if not isinstance(config.get("model_type"), str):  # mlx-lm would raise a bare KeyError
+        raise SpecmlxError(
+            f"{path / 'config.json'} has no model_type naming its architecture; {FIX}"
+        )
+    weight_files = sorted(path.glob("model*.safetensors"))
+    if not weight_files:
         raise SpecmlxError(f"{path} has no model*.safetensors weights")
     t0 = time.perf_counter()
+    for file in weight_files:  # headers only: mx.load trusts them, a truncated file included
+        read_header(file)
     try:
-        module, config = load_model(path, lazy=True)
-    except ValueError as e:
-        raise SpecmlxError(f"cannot build the model in {path}: {e}") from e
+        classes = partial(model_classes, config_file=path / "config.json")
+        module, config = load_model(path, lazy=True, get_model_classes=classes)
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
+        # Raised by mlx-lm building the model from config.json's values and the weights'
+        # names and shapes: what it says is about the directory's files.
+        raise SpecmlxError(
+            f"cannot build the model in {path} from its config.json and weights "
+            f"({type(e).__name__}: {one_line(e)}); {FIX}"
+        ) from e
     chosen = pick_dtype(config, dtype)
     cast_floating(module, chosen)
     weights, weights_why = cpu.prepare(module, cpu_weights, backend(), use_native=native)
@@ -174,7 +234,7 @@ def load(
     if tokenizer_from is not None and same_file(path, tokenizer_from.path, "tokenizer.json"):
         tokenizer = tokenizer_from.tokenizer
     else:
-        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+        tokenizer = read_tokenizer(path, config)
     t2 = time.perf_counter()
     if not lazy:
         mx.eval(module.parameters())
@@ -186,6 +246,25 @@ def load(
     # tokenizer load did not hide.
     info = {"weights_s": (t1 - t0) + (t3 - t2), "tokenizer_s": t2 - t1}
     return Model(module, tokenizer, config, path, vocab_size, chosen, info, weights, weights_why)
+
+
+def read_tokenizer(path: Path, config: dict) -> Any:
+    """mlx-lm's tokenizer for `path`; SpecmlxError naming the file when it cannot be read."""
+    from mlx_lm.utils import load_tokenizer
+
+    try:
+        return load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    except Exception as e:  # transformers, tokenizers (Rust) and json each raise their own
+        # Which file is at fault is looked for only now: parsing a 10 MB tokenizer.json a
+        # second time would cost every load ~0.1 s.
+        for file in (path / name for name in TOKENIZER_FILES):
+            if file.exists():
+                read_json_object(file)
+        present = " and ".join(name for name in TOKENIZER_FILES if (path / name).exists())
+        raise SpecmlxError(
+            f"cannot load the tokenizer ({present or 'no tokenizer files'}) in {path} "
+            f"({type(e).__name__}: {one_line(e, 120)}); {FIX}"
+        ) from e
 
 
 def same_file(a: Path, b: Path, name: str) -> bool:
