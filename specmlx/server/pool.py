@@ -1,0 +1,67 @@
+"""A bounded pool of Sessions: requests reuse the caches that already hold their prefix.
+
+Each Session is a target cache (and a draft cache) holding one token sequence. A request
+takes the Session that shares the longest prefix with its prompt, so a conversation's
+next turn, or a prompt repeating a long system prompt, prefills only what is new. After
+each request the least recently used Sessions are dropped until the caches fit the
+memory budget. Only the decode worker's thread touches the pool.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.utils import common_prefix_len
+
+from ..caches import layers
+from ..engine import Session
+from ..loading import Model
+
+# A prompt that shares nothing with any Session gets a new one, up to this many; past it,
+# the least recently used is taken over. Empty Sessions cost next to nothing.
+MAX_SESSIONS = 16
+
+
+class SessionPool:
+    def __init__(self, target: Model, draft: Model | None, budget_bytes: int):
+        self.target, self.draft = target, draft
+        self.budget_bytes = budget_bytes
+        self.idle: list[Session] = []  # least recently used first
+        self.cache_bytes = 0  # of the idle Sessions, after the last request
+
+    def take(self, ids: list[int]) -> Session:
+        """The Session whose cached tokens share the longest prefix with `ids`."""
+        # The most recently used wins a tie: it is the likeliest to be asked again.
+        best = max(
+            reversed(self.idle), key=lambda s: common_prefix_len(s.cached, ids), default=None
+        )
+        if best is None or common_prefix_len(best.cached, ids) == 0:
+            if len(self.idle) < MAX_SESSIONS:
+                return Session(self.target, self.draft)
+            best = self.idle[0]
+        self.idle.remove(best)
+        return best
+
+    def give_back(self, session: Session) -> None:
+        """Return a Session after its request; drop the oldest until the budget holds."""
+        self.idle.append(session)
+        sizes = [session_bytes(s) for s in self.idle]
+        while sum(sizes) > self.budget_bytes and len(self.idle) > 1:
+            self.idle.pop(0)
+            sizes.pop(0)
+        if sum(sizes) > self.budget_bytes:  # the one just used is over the budget on its own
+            session.reset()
+            sizes = [0]
+        self.cache_bytes = sum(sizes)
+
+
+def session_bytes(session: Session) -> int:
+    """What a Session's caches hold: every array of the target's and the draft's layers."""
+    caches = [session.cache] + ([session.drafter.cache] if session.drafter else [])
+    return sum(
+        value.nbytes
+        for cache in caches
+        for layer in layers(cache)
+        for _, value in tree_flatten(vars(layer))
+        if isinstance(value, mx.array)
+    )
