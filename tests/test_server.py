@@ -3,7 +3,11 @@ OpenAI's own client (and httpx where the raw status and body are the point)."""
 
 from __future__ import annotations
 
+import os
+import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -288,3 +292,33 @@ def test_api_key_is_required_when_set(models):
         assert httpx.get(f"{base}/health").status_code == 200  # open, for load balancers
         right = openai.OpenAI(base_url=f"{base}/v1", api_key="sekrit", max_retries=0)
         assert [m.id for m in right.models.list()] == [MODEL]
+
+
+def test_serve_command_starts_and_answers(tmp_path):
+    """`specmlx serve --model tiny --port 0`, as a user starts it."""
+    env = {**os.environ, "SPECMLX_HOME": str(tmp_path)}
+    command = [sys.executable, "-m", "specmlx", "serve", "--model", "tiny", "--port", "0"]
+    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        for line in process.stderr:
+            seen.append(line)
+            found = re.search(r"serving tiny at (http://127\.0\.0\.1:\d+)/v1", line)
+            if found:
+                break
+        assert found, "".join(seen)
+        assert any("localhost" in line for line in [*seen, process.stderr.readline()])
+        base = found[1]
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                health = httpx.get(f"{base}/health")
+                break
+            except httpx.ConnectError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        assert health.json()["status"] == "ok"
+        assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == "tiny"
+    finally:
+        process.terminate()
+        process.wait(20)

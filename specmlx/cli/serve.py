@@ -1,0 +1,95 @@
+"""`specmlx serve`: the model pair behind an OpenAI-compatible HTTP API."""
+
+from __future__ import annotations
+
+import socket
+
+import typer
+from rich.console import Console
+
+from ..errors import SpecmlxError
+from . import app, options, report
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+@app.command()
+def serve(
+    model: str = options.Model,
+    draft: str = options.Draft,
+    no_draft: bool = options.NoDraft,
+    max_tokens: int = typer.Option(
+        256, "--max-tokens", "-n", help="Maximum tokens for a request that does not say."
+    ),
+    gamma: str = options.Gamma,
+    draft_mode: str = options.DraftMode,
+    dtype: str = options.Dtype,
+    cpu_weights: str = options.CpuWeights,
+    host: str = typer.Option(
+        "127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."
+    ),
+    port: int = typer.Option(8080, "--port", help="Port to listen on (0: any free one)."),
+    api_key: str = typer.Option(
+        None,
+        "--api-key",
+        envvar="SPECMLX_API_KEY",
+        help="Require this bearer token on /v1 requests (also SPECMLX_API_KEY).",
+    ),
+    cache_gb: float = typer.Option(
+        4.0, "--cache-gb", help="Memory for the KV caches kept between requests, in GB."
+    ),
+) -> None:
+    """Serve the model pair over an OpenAI-compatible HTTP API (chat and completions)."""
+    num_draft = options.check_settings(max_tokens, 0.0, 1.0, 0, gamma, draft_mode)
+    if cache_gb < 0:
+        raise SpecmlxError(f"--cache-gb must be >= 0, got {cache_gb}")
+    err = Console(stderr=True, soft_wrap=True, highlight=False)
+
+    def log(msg: str) -> None:
+        err.print(msg, style="dim", markup=False)
+
+    # Bound before the slow load, so that a port in use is said at once.
+    listener = bind(host, port)
+    target, drafter, timings = options.load_timed(model, draft, no_draft, dtype, log, cpu_weights)
+
+    import uvicorn
+
+    from ..caches import check_rollback
+    from ..loading import backend
+    from ..server import Defaults, make_app
+
+    if num_draft != 0 and (drafter is not None or draft_mode != "model"):
+        check_rollback(target, *([drafter] if drafter and draft_mode != "lookup" else []))
+    for line in report.startup_lines(target, drafter, timings, backend()):
+        log(line)
+    bound_host, bound_port = listener.getsockname()[:2]
+    url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
+    log(f"serving {model or target.name} at http://{url_host}:{bound_port}/v1")
+    if host in LOCAL_HOSTS:
+        log("bound to localhost only: other machines cannot connect (--host 0.0.0.0 to allow)")
+    elif api_key is None:
+        log("listening beyond localhost with no --api-key: anyone who can reach it can use it")
+    server_app = make_app(
+        target,
+        drafter,
+        model_id=model or target.name,
+        api_key=api_key,
+        cache_bytes=int(cache_gb * (1 << 30)),
+        defaults=Defaults(max_tokens, num_draft, draft_mode),
+    )
+    config = uvicorn.Config(server_app, log_level="warning", timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[listener])
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket, or a one-line error naming the address."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SpecmlxError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(128)
+    return sock
