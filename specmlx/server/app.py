@@ -165,10 +165,10 @@ async def stream(
     reason (and the run's statistics), usage if asked, then [DONE]. A client that goes
     away cancels this generator, which cancels the Job."""
     try:
-        if reply.chat:  # OpenAI's first chat chunk says who speaks
-            yield sse(reply.chunk({"role": "assistant", "content": ""}, ""))
+        if reply.chat:
+            yield sse(reply.first_chunk())
         async for text in job.texts():
-            yield sse(reply.chunk({"content": text}, text))
+            yield sse(reply.chunk(text))
         done = job.finished
         remember(done)
         yield sse(reply.last_chunk(done))
@@ -190,14 +190,11 @@ class Reply:
     """The response's shape, chat or text completion, whole or as stream chunks."""
 
     def __init__(self, kind: str, model: str):
+        self.chat = kind == "chat.completion"
         self.kind, self.model = kind, model
-        prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
-        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.chunk_kind = "chat.completion.chunk" if self.chat else kind
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-
-    @property
-    def chat(self) -> bool:
-        return self.kind == "chat.completion"
 
     def _body(self, kind: str, choices: list[dict]) -> dict:
         return {
@@ -208,36 +205,38 @@ class Reply:
             "choices": choices,
         }
 
-    def _choice(self, content: dict | str, finish: str | None, key: str) -> dict:
+    def _choice(self, key: str, content: dict | str, finish: str | None = None) -> dict:
         return {"index": 0, key: content, "logprobs": None, "finish_reason": finish}
 
     def whole(self, done: Finished, prompt_tokens: int) -> dict:
         if self.chat:
-            choice = self._choice(
-                {"role": "assistant", "content": done.text}, done.finish_reason, "message"
-            )
+            message = {"role": "assistant", "content": done.text}
+            choice = self._choice("message", message, done.finish_reason)
         else:
-            choice = self._choice(done.text, done.finish_reason, "text")
+            choice = self._choice("text", done.text, done.finish_reason)
         body = self._body(self.kind, [choice])
         body.update(usage=usage(done, prompt_tokens), specmlx=run_stats(done.stats))
         return body
 
-    def chunk(self, delta: dict, text: str, finish: str | None = None) -> dict:
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        choice = (
-            self._choice(delta, finish, "delta")
-            if self.chat
-            else self._choice(text, finish, "text")
-        )
-        return self._body(kind, [choice])
+    def first_chunk(self) -> dict:
+        """A chat stream opens with who speaks (text completions have no roles)."""
+        delta = {"role": "assistant", "content": ""}
+        return self._body(self.chunk_kind, [self._choice("delta", delta)])
+
+    def chunk(self, text: str, finish: str | None = None) -> dict:
+        if self.chat:
+            choice = self._choice("delta", {"content": text} if text else {}, finish)
+        else:
+            choice = self._choice("text", text, finish)
+        return self._body(self.chunk_kind, [choice])
 
     def last_chunk(self, done: Finished) -> dict:
-        body = self.chunk({}, "", done.finish_reason)
+        body = self.chunk("", done.finish_reason)
         body["specmlx"] = run_stats(done.stats)
         return body
 
     def usage_chunk(self, done: Finished, prompt_tokens: int) -> dict:
-        body = self._body("chat.completion.chunk" if self.chat else "text_completion", [])
+        body = self._body(self.chunk_kind, [])
         body["usage"] = usage(done, prompt_tokens)
         return body
 

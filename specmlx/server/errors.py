@@ -11,8 +11,6 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error"}
-
 
 class APIError(Exception):
     """A request the server refuses; the message says what to change."""
@@ -25,7 +23,7 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None):
-    kind = TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    kind = "server_error" if status >= 500 else "invalid_request_error"
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
