@@ -23,7 +23,7 @@ from .loading import Model, backend, check_pair
 from .policy import AutoGamma, FixedGamma, Policy, Round, load_costs, save_costs
 from .policy.choice import Scheduler
 from .sampling import SamplingParams
-from .settings import check_settings
+from .settings import check_seed, check_settings
 from .verify import make_sampler, make_verifier
 
 
@@ -235,6 +235,7 @@ def generate(
     model needed) or "auto" (lookup when the context has a match, else the model).
     """
     params, num_draft = check_settings(max_tokens, temperature, top_p, top_k, num_draft, draft_mode)
+    check_seed(seed)
     if session is None:
         session = Session(target, draft)
     elif session.target is not target or (draft is not None and session.draft is not draft):

@@ -30,6 +30,14 @@ def parse_gamma(value: int | str) -> int | str:
     return value
 
 
+def check_seed(seed: int) -> int:
+    """MLX's random key takes an unsigned 64-bit seed: refuse others here, in one line,
+    rather than as a TypeError from deep inside the first sampling step."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise SpecmlxError(f"seed must be an integer >= 0 (and < 2**64), got {seed!r}")
+    return seed
+
+
 def check_draft_mode(draft_mode: str) -> str:
     if draft_mode not in DRAFT_MODES:
         raise SpecmlxError(

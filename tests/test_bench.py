@@ -486,7 +486,7 @@ COMMITTED = sorted(
 def test_every_committed_result_renders_again(path, capsys):
     # Older results carry fields since dropped (machine.code, the commit) and lack later ones.
     main(["bench", "--from-json", str(path)])
-    assert "speedup" in capsys.readouterr().out
+    assert "speedup [min–max]" in capsys.readouterr().out  # brackets are text, not markup
 
 
 def test_plot_without_matplotlib_is_a_clear_error(bench_run, monkeypatch, tmp_path, capsys):

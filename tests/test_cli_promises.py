@@ -152,7 +152,7 @@ def test_a_seed_out_of_range_is_one_line(seed, home):
     run = specmlx("generate", "--model", "tiny", "-p", "hi", "--seed", seed, home=home)
     assert run.returncode == 2, run.stderr
     assert run.stderr.startswith("error: Invalid value for '--seed'"), run.stderr
-    assert "seeds must be >= 0" in run.stderr and run.stderr.count("\n") == 1, run.stderr
+    assert "seed must be an integer >= 0" in run.stderr and run.stderr.count("\n") == 1, run.stderr
 
 
 def test_brackets_in_the_start_up_log_come_out_intact(monkeypatch, capsys):

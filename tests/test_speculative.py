@@ -385,3 +385,9 @@ def test_auto_shows_the_stop_rule_and_the_calibration_the_drafts_own_confidence(
     assert asked and all(0 < top <= 1 for tops in asked for top in tops)
     assert [len(tops) for tops in asked[:3]] == [1, 2, 3]  # one more each pass of a round
     assert recorded and all(len(tops) == min(n + 1, g) for g, n, tops in recorded)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, 1.5])
+def test_a_seed_out_of_range_is_refused_by_the_api_too(no_eos, seed):
+    with pytest.raises(specmlx.SpecmlxError, match="seed must be an integer >= 0"):
+        specmlx.generate(no_eos["target"], PROMPT, seed=seed)

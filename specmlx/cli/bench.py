@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from . import app, options
 
@@ -48,7 +49,7 @@ def render(result: dict, console: Console) -> None:
             "mode", "tok/s", "speedup [min–max]", "total", "e2e", "α", "τ",
             "draft", "prefill tok/s", "TTFT s", "peak MB", "greedy same",
         ):  # fmt: skip
-            table.add_column(col, justify="left" if col == "mode" else "right")
+            table.add_column(Text(col), justify="left" if col == "mode" else "right")
         for mode in modes:
             row = next(
                 (r for r in rows if r["mode"] == mode and r["temperature"] == temp
@@ -115,27 +116,33 @@ def render(result: dict, console: Console) -> None:
     divergent = [r for r in result["runs"] if r["matches_target"] is False]
     for r in divergent:
         console.print(
-            f"[yellow]greedy divergence: {r['mode']} on {r['prompt_id']} differs from the "
-            f"target alone at token {r['diverges_at']}[/yellow]"
+            f"greedy divergence: {r['mode']} on {r['prompt_id']} differs from the "
+            f"target alone at token {r['diverges_at']}",
+            style="yellow",
+            markup=False,
         )
     retimed = result.get("retimed") or []  # results from before steal was measured have none
     if retimed:
         worst = max(r["steal"] for r in retimed)
         console.print(
-            f"[dim]{len(retimed)} runs timed again: the hypervisor took over "
+            f"{len(retimed)} runs timed again: the hypervisor took over "
             f"{result['settings']['steal_limit']:.0%} of the CPUs during their block "
-            f"(up to {worst:.0%})[/dim]"
+            f"(up to {worst:.0%})",
+            style="dim",
+            markup=False,
         )
     m, cold = result["machine"], result["cold_start"]
     label = f"{result['label']} · " if result.get("label") else ""  # older results have none
     console.print(
-        f"[dim]{label}{m['cpu']} · {m['cores']} cores · {m['backend']} · mlx {m['mlx']} · "
+        f"{label}{m['cpu']} · {m['cores']} cores · {m['backend']} · mlx {m['mlx']} · "
         f"mlx-lm {m['mlx_lm']} · BLAS {m['blas']['active'] or 'not found'} · "
         f"CPU weights {result['models']['target'].get('cpu_weights') or '?'} · "
         f"cold start {_num(cold.get('cold_start_s'))} s (weights {_num(cold.get('weights_s'))}) "
         f"+ first call {_num(cold['first_call_wall_s'])} s"
         f" · peak RSS {result['memory']['rss_peak_bytes'] / 2**20:.0f} MB · "
-        f"run {_duration(result['duration_s'])}[/dim]"
+        f"run {_duration(result['duration_s'])}",
+        style="dim",
+        markup=False,
     )
 
 
@@ -242,7 +249,7 @@ def bench(
         render(result, _stdout_console())
         if plot_path is not None:
             lib.plot(result, plot_path)
-            err.print(f"[dim]wrote {plot_path}[/dim]")
+            err.print(f"wrote {plot_path}", style="dim", markup=False)
         return
     preset = QUICK if quick else {}
     gamma = gamma or preset.get("gamma") or DEFAULTS["gamma"]
@@ -273,7 +280,7 @@ def bench(
             raise options.SpecmlxError(
                 "--plot needs matplotlib; install it with `pip install 'specmlx[bench]'`"
             ) from None
-    log = lambda msg: err.print(f"[dim]{msg}[/dim]")  # noqa: E731
+    log = lambda msg: err.print(msg, style="dim", markup=False)  # noqa: E731
     target, drafter, timings = options.load_timed(model, draft, False, dtype, log, cpu_weights)
     if drafter is None:
         raise options.SpecmlxError("bench needs a draft model: pass --draft")

@@ -35,11 +35,13 @@ DraftMode = typer.Option(
 
 
 def seed_in_range(seed: int) -> int:
-    """MLX's random key takes an unsigned 64-bit seed: refuse others here, in one line,
-    rather than as a TypeError from deep inside the first sampling step."""
-    if not 0 <= seed < 2**64:
-        raise typer.BadParameter(f"seeds must be >= 0 (and < 2**64), got {seed}")
-    return seed
+    """The seed's rule (settings.check_seed), checked as the flag is parsed."""
+    from ..settings import check_seed
+
+    try:
+        return check_seed(seed)
+    except SpecmlxError as e:
+        raise typer.BadParameter(str(e)) from None
 
 
 Seed = typer.Option(
