@@ -115,6 +115,12 @@ def test_a_non_utf8_argument_is_one_line(how, home):
     one_error_line(run, f"{source} is not UTF-8 text: byte 0xe9 at offset 3")
 
 
+def test_a_non_utf8_system_prompt_in_chat_is_one_line(home):
+    text = NOT_UTF8.decode("utf-8", "surrogateescape")
+    run = specmlx("chat", "--model", "tiny", "--system", text, home=home)
+    one_error_line(run, "--system is not UTF-8 text: byte 0xe9 at offset 3")
+
+
 def test_a_non_utf8_prompt_file_is_one_line(home, tmp_path):
     path = tmp_path / "latin1.txt"
     path.write_bytes(NOT_UTF8)

@@ -75,6 +75,7 @@ def chat(
 ) -> None:
     """Chat with a model, speculatively when a draft is given; /help lists the commands."""
     num_draft = options.check_settings(max_tokens, temperature, top_p, top_k, gamma, draft_mode)
+    system = options.command_line_text(system, "--system") if system else system
     err = Console(stderr=True, soft_wrap=True, highlight=False)
     out = Console(soft_wrap=True, highlight=False)
 

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 
 from ..errors import SpecmlxError
-from ..settings import check_draft_mode, check_settings, parse_gamma
+from ..settings import check_draft_mode, check_seed, check_settings, parse_gamma
 from .errors import APIError
 
 
@@ -85,8 +85,6 @@ def parse(body: dict, chat: bool, defaults: Defaults) -> Asked:
     top_p = _get(body, "top_p", (int, float), "a number", 1.0)
     top_k = _get(body, "top_k", int, "an integer", 0)
     seed = _get(body, "seed", int, "an integer")
-    if seed is not None and not 0 <= seed < 2**64:
-        raise APIError(400, f"seed must be in [0, 2**64), got {seed}", param="seed")
     stream = _get(body, "stream", bool, "true or false", False)
     options = _get(body, "stream_options", dict, "an object", {})
     include_usage = _get(options, "include_usage", bool, "true or false", False)
@@ -96,6 +94,8 @@ def parse(body: dict, chat: bool, defaults: Defaults) -> Asked:
         num_draft = parse_gamma(num_draft)
         check_draft_mode(draft_mode)
         check_settings(max_tokens, float(temperature), float(top_p), top_k, num_draft, draft_mode)
+        if seed is not None:
+            check_seed(seed)
     except SpecmlxError as e:
         raise APIError(400, str(e)) from None
     return Asked(
