@@ -8,6 +8,7 @@ activation precision that is fast on the backend at hand.
 from __future__ import annotations
 
 import filecmp
+import glob
 import json
 import time
 from dataclasses import dataclass, field
@@ -204,6 +205,11 @@ def load(
     from mlx_lm.utils import load_model
 
     path = resolve_path(path_or_repo)
+    if glob.escape(str(path)) != str(path):  # mlx-lm finds the weights with a glob pattern
+        raise SpecmlxError(
+            f"model path {path} has one of * ? [ ] in it, which mlx-lm reads as a file "
+            "pattern; rename the directory (or link to it from a plain path)"
+        )
     config = read_config(path)
     if not isinstance(config.get("model_type"), str):  # mlx-lm would raise a bare KeyError
         raise SpecmlxError(

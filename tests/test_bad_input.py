@@ -302,3 +302,11 @@ def test_cli_generates_despite_a_corrupt_specmlx_json(original, tmp_path):
     model = damaged_copy(original, tmp_path, "specmlx.json", b'{"bits": 4,')
     run = generate(model)
     assert run.returncode == 0, run.stderr
+
+
+def test_a_model_path_with_glob_characters_is_one_line(model_dirs, tmp_path):
+    # mlx-lm looks its weights up with a glob pattern built from the path.
+    odd = tmp_path / "qwen[int4]"
+    shutil.copytree(model_dirs["target"], odd)
+    with pytest.raises(SpecmlxError, match=r"rename the directory"):
+        specmlx.load(odd)
