@@ -52,6 +52,7 @@ class Stats:
     draft_time: float = 0.0
     verify_time: float = 0.0
     rewind_time: float = 0.0  # rejected drafts undone by running kept tokens again
+    rewinds: int = 0  # rounds that needed such a re-run (caches that cannot be trimmed)
     decode_time: float = 0.0  # first round to last token, seconds
     ttft: float = 0.0  # call to first emitted token, seconds
     finish_reason: str = ""  # "eos" | "length"
@@ -83,6 +84,7 @@ class Stats:
         self.rounds_by_source[r.source] = self.rounds_by_source.get(r.source, 0) + 1
         self.verify_time += r.verify_s
         self.rewind_time += r.rewind_s
+        self.rewinds += r.rewind_s > 0
         if r.plan.predicted_tps:
             self.predicted_tps = r.plan.predicted_tps
         if r.proposal is None:

@@ -104,14 +104,16 @@ def test_greedy_speculation_equals_mlx_lm_at_every_gamma(arch, build):
     _, _, target, draft = build(arch)
     ids = target.tokenizer.encode(PROMPT)
     expected = reference(target, ids)
-    drafted = accepted = 0
+    drafted = accepted = rewinds = 0
     for gamma in (1, 2, 3, 4):
         gen = specmlx.generate(target, ids, draft=draft, max_tokens=N, num_draft=gamma).run()
         assert gen.tokens == expected, f"gamma {gamma}"
         drafted, accepted = drafted + gen.stats.drafted, accepted + gen.stats.accepted
+        rewinds += gen.stats.rewinds
     assert 0 < accepted <= drafted
     if arch not in NOTHING_REJECTED:
         assert accepted < drafted  # some drafts were rolled back
+        assert (rewinds > 0) == (ROLLBACK[arch] == "rewind")  # a re-run only where trims can't
 
 
 @pytest.mark.parametrize("arch", list(ROLLBACK))
