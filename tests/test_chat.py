@@ -14,7 +14,9 @@ import time
 
 import pytest
 
-STATS = re.compile(r"(\d+) tokens · [\d.]+ tok/s · TTFT [\d.]+ s · prefill (\d+)/(\d+) tok(.*)")
+STATS = re.compile(
+    r"(\d+) tokens · [\d.]+ tok/s · TTFT [\d.]+ s · prefill (\d+) new of (\d+) prompt tokens(.*)"
+)
 
 
 def env(tmp_path) -> dict:
@@ -75,7 +77,7 @@ def test_piped_conversation_and_slash_commands(model_dirs, tmp_path):
     assert "replies" in err and "prefill" in err and "context" in err  # /stats
     assert "temperature=0.0" in err and "top_p=1.0" in err  # /set with no argument
     assert "top-p must be in (0, 1]" in err
-    assert "no draft" in third["rest"] and third["tokens"] <= 4
+    assert "plain decoding (draft off)" in third["rest"] and third["tokens"] <= 4
     assert "context full" in err and "/reset" in err
     assert "/draft on|off" in err  # /help
     assert "conversation cleared" in err

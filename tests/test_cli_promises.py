@@ -257,3 +257,96 @@ def test_interpreter_start_up_leaves_out_a_shell_that_ran_before_exec(home):
     assert run.returncode == 0, run.stderr
     timings = json.loads(run.stdout)["timings"]
     assert 0 < timings["interpreter_s"] < 2, timings
+
+
+# Output that says what happened (the stats line, /stats, the CPU tag, /set's limits).
+
+
+def test_the_stats_line_says_prefill_in_words():
+    from specmlx.cli.report import stats_line
+    from specmlx.engine import Stats
+
+    line = stats_line(Stats(tokens=3, prompt_tokens=41, prefill_tokens=40))
+    assert "prefill 40 new of 41 prompt tokens" in line and "40/41" not in line
+
+
+def test_auto_gamma_shows_the_gamma_its_drafting_rounds_used_not_0():
+    from specmlx.cli.report import stats_line
+    from specmlx.engine import Stats
+
+    stats = Stats(tokens=30, target_passes=25, drafted=10, accepted=5, gamma="auto")
+    stats.rounds_by_gamma = {0: 20, 2: 5}
+    line = stats_line(stats)
+    assert "γ auto→2 (5 of 25 rounds drafted)" in line and "auto→0" not in line
+
+
+def test_tau_counts_the_pass_that_sampled_the_eos():
+    from specmlx.cli.report import stats_line, tokens_per_pass
+    from specmlx.engine import Stats
+
+    # 10 passes: one draft rejected, 8 plain tokens, then a pass whose token was the EOS.
+    stats = Stats(tokens=9, target_passes=10, drafted=1, accepted=0, finish_reason="eos")
+    assert tokens_per_pass(stats) == 1.0 and "τ 1.00" in stats_line(stats)
+
+
+class FakeScheduler:
+    draft_ratio = 0.45
+
+    class acceptance:  # noqa: N801  (stands in for an Acceptance instance)
+        seen, alpha = True, 0.3
+
+
+class FakeSession:
+    draft = object()
+
+    def scheduler(self, source):
+        assert source == "model"
+        return FakeScheduler
+
+
+def test_a_draft_auto_kept_idle_is_said_with_its_measured_cost():
+    from specmlx.cli.report import plain_note, stats_line
+    from specmlx.engine import Stats
+
+    stats = Stats(tokens=5, target_passes=5, gamma="auto")
+    line = stats_line(stats, plain_note(stats, FakeSession()))
+    assert "draft idle: auto kept plain decoding: a draft pass costs 0.45 of a target pass" in line
+    assert "no draft" not in line
+
+
+def test_generate_says_why_a_loaded_draft_drafted_nothing(model_dirs, home):
+    # Three tokens: too few for auto to time the passes, so it keeps plain decoding.
+    pair = ["--model", str(model_dirs["target"]), "--draft", str(model_dirs["perturbed"])]
+    run = specmlx("generate", *pair, "-p", "hi", "-n", "3", home=home)
+    assert run.returncode == 0, run.stderr
+    assert "draft idle: auto kept plain decoding" in run.stderr, run.stderr
+    assert "no draft" not in run.stderr.splitlines()[-2], run.stderr
+    plain = specmlx(
+        "generate", "--model", str(model_dirs["target"]), "-p", "hi", "-n", "3", home=home
+    )
+    assert plain.returncode == 0 and "plain decoding (no draft)" in plain.stderr, plain.stderr
+
+
+def test_the_cpu_tag_names_the_kernel_that_runs_int4():
+    from types import SimpleNamespace
+
+    from specmlx.cli.report import cpu_tag
+    from specmlx.cpu import native
+
+    tag = cpu_tag(SimpleNamespace(weights="int4"))
+    assert "reference" not in tag
+    assert ("native kernel" if native.available() else "mx.quantized_matmul") in tag
+
+
+def test_chat_stats_after_reset_keep_the_conversation_apart_and_gamma_has_a_maximum(
+    model_dirs, home
+):
+    script = ["hello", "/reset", "again", "/stats", "/set gamma 99", "/set", "/exit"]
+    pair = ["--model", str(model_dirs["target"]), "--draft", str(model_dirs["perturbed"])]
+    run = specmlx("chat", *pair, "-n", "4", input="\n".join(script) + "\n", home=home)
+    assert run.returncode == 0, run.stderr
+    err = run.stderr
+    assert "this conversation: 1 reply\n" in err and "since chat started: 2 replies\n" in err
+    refused = [line for line in err.splitlines() if "99" in line]
+    assert refused == ["error: /set gamma: 99 is above the maximum, 8"], err
+    assert "gamma=auto" in err  # the setting stayed as it was

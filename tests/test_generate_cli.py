@@ -80,7 +80,7 @@ def test_the_stats_line_shows_autos_usual_gamma_and_the_rounds_cut_short():
 
     stats = Stats(tokens=10, target_passes=5, drafted=6, accepted=4, gamma="auto")
     stats.rounds_by_gamma, stats.cut_short = {0: 1, 3: 2, 1: 1}, 1
-    assert "γ auto→3 (1 cut short)" in stats_line(stats)
+    assert "γ auto→3 (3 of 4 rounds drafted, 1 cut short)" in stats_line(stats)
 
 
 def test_the_prompt_may_be_a_plain_argument(pair, home):

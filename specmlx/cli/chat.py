@@ -21,7 +21,7 @@ from . import app, options, report
 HELP = """\
 /help                  this list
 /reset                 forget the conversation and clear both KV caches
-/stats                 totals for this session
+/stats                 totals for this conversation, and since chat started
 /set                   show the settings
 /set NAME VALUE        NAME: temperature, top_p, top_k, gamma, max_tokens, system
 /draft on|off          speculative decoding on or off
@@ -85,7 +85,7 @@ def chat(
     target, drafter, timings = options.load_timed(model, draft, no_draft, dtype, note, cpu_weights)
 
     from ..caches import check_rollback
-    from ..engine import Session, Stats
+    from ..engine import Session
     from ..loading import backend
 
     if num_draft != 0 and (drafter is not None or draft_mode != "model"):
@@ -99,7 +99,7 @@ def chat(
         temperature, top_p, top_k, num_draft, max_tokens, seed, drafter is not None, draft_mode
     )
     convo = Conversation(system=system)
-    totals = Stats()
+    totals = Totals()
     ask = terminal_input() if sys.stdin.isatty() else piped_input
     while True:
         try:
@@ -169,8 +169,8 @@ def reply(message, session, settings, convo, totals, out: Console, note) -> None
     if interrupted:
         note("[interrupted]")
     remember(convo, message, ids, text, gen, target.tokenizer)
-    add_stats(totals, gen.stats)
-    note(report.stats_line(gen.stats))
+    totals.add(gen.stats)
+    note(report.stats_line(gen.stats, report.plain_note(gen.stats, session, settings.draft_on)))
     if limit and len(convo.ids) >= limit:
         note(f"context full ({limit} tokens): /reset to start a new conversation", style="yellow")
 
@@ -214,14 +214,30 @@ def remember(convo: Conversation, message: str, ids: list[int], text: str, gen, 
         convo.ids, convo.text = [], ""
 
 
-def add_stats(totals, stats) -> None:
-    """Session totals: the sum of every per-turn count and time (the ratios follow)."""
-    for f in fields(stats):
-        value = getattr(stats, f.name)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if f.name not in ("gamma", "ttft"):
-                setattr(totals, f.name, getattr(totals, f.name) + value)
-    totals.gamma = stats.gamma
+@dataclass
+class Totals:
+    """Every reply's Stats: since chat started, and in this conversation (since /reset)."""
+
+    session: list = field(default_factory=list)
+    conversation: list = field(default_factory=list)
+
+    def add(self, stats) -> None:
+        self.session.append(stats)
+        self.conversation.append(stats)
+
+
+def summed(replies: list):
+    """One Stats holding the sum of every per-reply count and time (the ratios follow)."""
+    from ..engine import Stats
+
+    total = Stats()
+    for stats in replies:
+        for f in fields(stats):
+            value = getattr(stats, f.name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                if f.name not in ("gamma", "ttft", "predicted_tps"):
+                    setattr(total, f.name, getattr(total, f.name) + value)
+    return total
 
 
 def run_command(line: str, session, settings: Settings, convo, totals, note) -> bool:
@@ -235,12 +251,13 @@ def run_command(line: str, session, settings: Settings, convo, totals, note) -> 
     elif name == "reset":
         convo.clear()
         session.reset()
+        totals.conversation.clear()
         note("conversation cleared (both KV caches emptied)")
     elif name == "stats":
         show_totals(session, convo, totals, note)
     elif name == "set":
         try:
-            change_setting(arg, settings, convo, note)
+            change_setting(arg, settings, convo, note, session.max_gamma)
         except SpecmlxError as e:
             note(f"error: {e}", style="red")
     elif name == "draft":
@@ -256,7 +273,9 @@ def run_command(line: str, session, settings: Settings, convo, totals, note) -> 
     return True
 
 
-def change_setting(arg: str, settings: Settings, convo: Conversation, note) -> None:
+def change_setting(
+    arg: str, settings: Settings, convo: Conversation, note, max_gamma: int = 8
+) -> None:
     """`/set NAME VALUE`, validated the same way as the command-line flags."""
     from ..settings import check_settings, parse_gamma
 
@@ -282,7 +301,10 @@ def change_setting(arg: str, settings: Settings, convo: Conversation, note) -> N
     if not value:
         raise SpecmlxError(f"/set {name} needs a value")
     if name == "gamma":
-        settings.gamma = parse_gamma(value)
+        gamma = parse_gamma(value)
+        if gamma != "auto" and gamma > max_gamma:  # the Session's policy plans up to it
+            raise SpecmlxError(f"/set gamma: {gamma} is above the maximum, {max_gamma}")
+        settings.gamma = gamma
     else:
         kind = float if name in ("temperature", "top_p") else int
         try:
@@ -302,24 +324,40 @@ def change_setting(arg: str, settings: Settings, convo: Conversation, note) -> N
     note(f"{name} = {getattr(settings, name)}")
 
 
-def show_totals(session, convo: Conversation, totals, note) -> None:
+def show_totals(session, convo: Conversation, totals: Totals, note) -> None:
     limit = session.target.config.get("max_position_embeddings")
     lines = [
-        f"replies {totals.tokens} tokens in "
-        f"{totals.decode_time:.2f} s ({totals.decode_tps:.1f} tok/s)",
-        f"prefill {totals.prefill_tokens} of {totals.prompt_tokens} prompt tokens "
-        f"(the rest came from the KV cache)",
         f"context {len(session.cached)}/{limit or '?'} tokens in the cache, "
         f"{len(convo.messages) // 2} turns",
     ]
-    if totals.drafted:
-        lines.append(
-            f"α {totals.acceptance:.2f} · τ {totals.tokens_per_pass:.2f} · "
-            f"verify/draft {totals.verify_time:.2f}/{totals.draft_time:.2f} s"
-        )
+    for label, replies in (
+        ("this conversation", totals.conversation),
+        ("since chat started", totals.session),
+    ):
+        count = f"{len(replies)} repl{'y' if len(replies) == 1 else 'ies'}"
+        lines += [f"{label}: {count}", *totals_lines(replies)]
     lines.append(report.memory_line())
     for line in lines:
         note(line, style=None)
+
+
+def totals_lines(replies: list) -> list[str]:
+    """The sums of some replies' stats, indented under the label they are shown with."""
+    total = summed(replies)
+    lines = [
+        f"  replies {total.tokens} tokens in "
+        f"{total.decode_time:.2f} s ({total.decode_tps:.1f} tok/s)",
+        f"  prefill {total.prefill_tokens} new of {total.prompt_tokens} prompt tokens "
+        f"(the rest came from the KV cache)",
+    ]
+    if total.drafted:
+        # τ with each reply's EOS counted, as report.tokens_per_pass does for one reply
+        produced = total.tokens + sum(s.finish_reason == "eos" for s in replies)
+        lines.append(
+            f"  α {total.acceptance:.2f} · τ {produced / total.target_passes:.2f} · "
+            f"verify/draft {total.verify_time:.2f}/{total.draft_time:.2f} s"
+        )
+    return lines
 
 
 def read_message(ask: Callable[[str], str]) -> str:

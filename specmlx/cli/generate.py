@@ -57,7 +57,7 @@ def generate(
     target, drafter, timings = options.load_timed(model, draft, no_draft, dtype, log, cpu_weights)
 
     from ..cpu import blas_info
-    from ..engine import encode_prompt
+    from ..engine import Session, encode_prompt
     from ..engine import generate as run
     from ..loading import backend
 
@@ -87,9 +87,11 @@ def generate(
         raise SpecmlxError(
             f"the prompt is {len(ids)} tokens and {target.name} takes {limit}; shorten it"
         )
+    session = Session(target, drafter)  # kept to say why auto drafted nothing, if it did not
     gen = run(
         target,
         ids,
+        session=session,
         num_draft=num_draft,
         draft_mode=draft_mode,
         draft=drafter,
@@ -156,5 +158,6 @@ def generate(
         # After an EOS the engine may flush text it held back; print that too.
         sys.stdout.write(gen.text[shown:] + "\n")
         cpu = f" · {report.cpu_tag(target)}" if backend() == "cpu" else ""
-        log(f"{report.stats_line(stats)}{cpu} · first token {first_token_s:.2f} s after start")
+        line = report.stats_line(stats, report.plain_note(stats, session))
+        log(f"{line}{cpu} · first token {first_token_s:.2f} s after start")
         log(report.memory_line())

@@ -90,41 +90,82 @@ def cpu_path(target, draft) -> str:
 
 
 def cpu_tag(target) -> str:
-    """cpu_path in a few words, for the per-reply stats line."""
-    from ..cpu import blas_info
+    """What the target's matmuls run on, in a few words, for the per-reply stats line: INT4
+    weights on specmlx's native kernel (or MLX's quantized matmul), the rest on the BLAS."""
+    from ..cpu import blas_info, native
 
+    if target.weights == "int4":
+        if native.available():
+            return f"int4 weights on the native kernel×{native.threads()}"
+        return "int4 weights on mx.quantized_matmul"
     info = blas_info()
     blas = info["name"].split(" (")[0].split()[0]  # "OpenBLAS", "reference", "Accelerate"
     return f"{target.weights} weights on {blas}×{info['threads'] or 1}"
 
 
+def tokens_per_pass(stats) -> float:
+    """τ with the EOS counted: the pass that sampled it produced a token, though the EOS is
+    never emitted (Stats.tokens leaves it out), so plain decoding reads 1.0, not n/(n+1)."""
+    produced = stats.tokens + (stats.finish_reason == "eos")
+    return produced / stats.target_passes if stats.target_passes else 0.0
+
+
 def gamma_shown(stats) -> str:
-    """γ as asked; for auto, also the γ its rounds used most, and how many rounds the
-    draft's own confidence cut short."""
-    used = stats.rounds_by_gamma
-    if stats.gamma == "auto" and used:
-        cut = f" ({stats.cut_short} cut short)" if stats.cut_short else ""
-        return f"auto→{max(used, key=used.get)}{cut}"
+    """γ as asked; for auto, the γ its drafting rounds used most, in how many of the rounds
+    (the rest were plain), and how many the draft's own confidence cut short."""
+    drafting = {g: n for g, n in stats.rounds_by_gamma.items() if g > 0}
+    if stats.gamma == "auto" and drafting:
+        rounds = sum(stats.rounds_by_gamma.values())
+        cut = f", {stats.cut_short} cut short" if stats.cut_short else ""
+        usual = max(drafting, key=drafting.get)
+        return f"auto→{usual} ({sum(drafting.values())} of {rounds} rounds drafted{cut})"
     return str(stats.gamma)
 
 
-def stats_line(stats) -> str:
-    """One line per reply: tokens, speed, TTFT, prefill, and the speculative numbers."""
+def plain_note(stats, session, draft_on: bool = True) -> str:
+    """Why a reply ran without drafts: none loaded, turned off, or auto's choice and the
+    measured costs it rests on (from the γ policy's scheduler: Stats does not carry them)."""
+    if not draft_on:
+        return "plain decoding (draft off)"
+    lookup_only = stats.draft_mode == "lookup"
+    if session is None or (session.draft is None and stats.draft_mode == "model"):
+        return "plain decoding (no draft)"
+    if stats.gamma == 0:
+        return "plain decoding (γ 0)"
+    if stats.gamma != "auto":
+        return "draft idle: too few tokens to draft"
+    if lookup_only:
+        return "draft idle: no n-gram of the context matched"
+    if session.draft is None:
+        return "draft idle: no n-gram of the context matched (no draft model)"
+    scheduler = session.scheduler("model")  # made by this reply's auto policy
+    ratio = scheduler.draft_ratio
+    if ratio is None:
+        return "draft idle: auto kept plain decoding while it measured the passes' costs"
+    why = f"a draft pass costs {ratio:.2f} of a target pass here"
+    if scheduler.acceptance.seen:
+        why += f", drafts forecast to pass {scheduler.acceptance.alpha:.2f} of the time"
+    return f"draft idle: auto kept plain decoding: {why}"
+
+
+def stats_line(stats, plain: str = "plain decoding") -> str:
+    """One line per reply: tokens, speed, TTFT, prefill, and the speculative numbers;
+    `plain` says why, when no draft ran (see plain_note)."""
     parts = [
         f"{stats.tokens} tokens",
         f"{stats.decode_tps:.1f} tok/s",
         f"TTFT {stats.ttft:.2f} s",
-        f"prefill {stats.prefill_tokens}/{stats.prompt_tokens} tok",
+        f"prefill {stats.prefill_tokens} new of {stats.prompt_tokens} prompt tokens",
     ]
     if stats.drafted:
         parts += [
             f"α {stats.acceptance:.2f}",
-            f"τ {stats.tokens_per_pass:.2f}",
+            f"τ {tokens_per_pass(stats):.2f}",
             f"γ {gamma_shown(stats)}",
             f"verify/draft {stats.verify_time:.2f}/{stats.draft_time:.2f} s",
         ]
     else:
-        parts.append("no draft")
+        parts.append(plain)
     if stats.finish_reason == "length":
         parts.append("hit max tokens")
     return " · ".join(parts)
