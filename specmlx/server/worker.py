@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..engine import Stats, generate
 from .pool import SessionPool
-from .stops import StopText
+from ..stops import StopText
 
 
 @dataclass
