@@ -199,3 +199,32 @@ def test_terminal_ctrl_c_stops_a_reply_and_the_session_goes_on(
         except (ProcessLookupError, ChildProcessError):
             pass
         os.close(term.fd)
+
+
+def test_chat_stop_quiet_and_verbose(model_dirs, tmp_path):
+    base = [sys.executable, "-m", "specmlx", "chat", "--model", str(model_dirs["target"])]
+    base += ["--draft", str(model_dirs["perturbed"]), "--max-tokens", "30", "-g", "2"]
+
+    def chat(*flags: str) -> subprocess.CompletedProcess:
+        run = subprocess.run(
+            base + list(flags),
+            input="hello there\n",
+            capture_output=True,
+            text=True,
+            env=env(tmp_path),
+            timeout=120,
+        )
+        assert run.returncode == 0, run.stderr
+        return run
+
+    reference = chat().stdout
+    stop = reference[len(reference) // 2 :][:3]
+    cut = chat("--stop", stop)
+    assert cut.stdout == reference[: reference.find(stop)] + "\n"
+    assert "stopped at --stop" in cut.stderr
+
+    quiet = chat("--quiet")
+    assert quiet.stdout == reference and "tokens ·" not in quiet.stderr
+    assert "ready in" not in quiet.stderr
+    verbose = chat("--verbose")
+    assert re.search(r"^round 1: γ \d+ \(\w+\) · accepted \d+/\d+", verbose.stderr, re.M)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -133,3 +134,69 @@ def test_draft_with_other_tokenizer(model_dirs, other_tokenizer_draft, home):
     )
     assert run.returncode != 0
     assert "different tokenizer" in run.stderr and run.stderr.count("\n") == 1, run.stderr
+
+
+def json_lines(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines()]
+
+
+def test_jsonl_streams_one_object_per_token_then_the_stats(pair, home):
+    run = specmlx("generate", *pair, "-p", "hello", "-n", "16", "-g", "2", "--jsonl", tmp_home=home)
+    assert run.returncode == 0, run.stderr
+    *steps, last = json_lines(run.stdout)
+    assert last["done"] is True and {"text", "tokens", "stats", "timings"} <= set(last)
+    assert all(set(step) == {"token", "text", "from_draft"} for step in steps)
+    assert "".join(step["text"] for step in steps) == last["text"]
+    assert [s["token"] for s in steps if s["token"] is not None] == last["tokens"]
+    assert sum(step["from_draft"] for step in steps) == last["stats"]["accepted"]
+    assert run.stderr == ""  # nothing for a script to filter out
+    assert "--jsonl" in specmlx("generate", "--help", tmp_home=home).stdout
+    both = specmlx("generate", *pair, "-p", "hi", "--json", "--jsonl", tmp_home=home)
+    assert both.returncode == 2 and both.stderr == "error: give --json or --jsonl, not both\n"
+
+
+def test_stop_ends_the_text_exactly_before_the_first_stop_string(pair, home):
+    args = ["generate", *pair, "-p", "hello", "-n", "40", "-g", "2"]
+    reference = json.loads(specmlx(*args, "--json", tmp_home=home).stdout)["text"]
+    middle = len(reference) // 2
+    stop = reference[middle : middle + 3]  # likely across tokens: held back while streaming
+    later = reference[-3:]  # a second stop: the first of the two found wins
+    want = reference[: min(reference.find(stop), reference.find(later))]
+    stops = ["--stop", later, "--stop", stop]
+
+    run = specmlx(*args, *stops, "--json", tmp_home=home)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert out["text"] == want and out["finish_reason"] == "stop"
+
+    streamed = specmlx(*args, *stops, "--jsonl", tmp_home=home)
+    *steps, last = json_lines(streamed.stdout)
+    assert "".join(step["text"] for step in steps) == want == last["text"]
+    assert not any(stop in step["text"] for step in steps)
+
+    text = specmlx(*args, *stops, tmp_home=home)
+    assert text.returncode == 0 and stop not in text.stdout, text.stdout
+    assert "stopped at --stop" in text.stderr
+    empty = specmlx(*args, "--stop", "", tmp_home=home)
+    assert empty.returncode == 2 and empty.stderr == "error: --stop needs a non-empty string\n"
+
+
+def test_quiet_says_nothing_on_stderr_and_verbose_notes_every_round(pair, home):
+    quiet = specmlx("generate", *pair, "-p", "hello", "-n", "8", "--quiet", tmp_home=home)
+    assert quiet.returncode == 0 and quiet.stderr == "" and quiet.stdout.strip(), quiet.stderr
+
+    run = specmlx(
+        "generate", *pair, "-p", "hello", "-n", "12", "-g", "2", "-v", "--json", tmp_home=home
+    )
+    assert run.returncode == 0, run.stderr
+    stats = json.loads(run.stdout)["stats"]
+    notes = re.findall(
+        r"^rounds? (\d+)(?:-(\d+))?: γ [\d/]+ \(\S+\) · accepted (\d+)/(\d+)", run.stderr, re.M
+    )
+    assert notes, run.stderr
+    assert int(notes[-1][1] or notes[-1][0]) == stats["target_passes"]
+    assert sum(int(n[2]) for n in notes) == stats["accepted"]
+    assert sum(int(n[3]) for n in notes) == stats["drafted"]
+
+    both = specmlx("generate", *pair, "-p", "hi", "-q", "-v", tmp_home=home)
+    assert both.returncode == 2 and both.stderr == "error: give --quiet or --verbose, not both\n"

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields, replace
 from rich.console import Console
 
 from ..errors import SpecmlxError
-from . import app, options, report
+from . import app, options, report, stream
 
 HELP = """\
 /help                  this list
@@ -72,9 +72,14 @@ def chat(
     dtype: str = options.Dtype,
     cpu_weights: str = options.CpuWeights,
     system: str = options.System,
+    stop: list[str] = options.Stop,
+    quiet: bool = options.Quiet,
+    verbose: bool = options.Verbose,
 ) -> None:
     """Chat with a model, speculatively when a draft is given; /help lists the commands."""
     num_draft = options.check_settings(max_tokens, temperature, top_p, top_k, gamma, draft_mode)
+    options.check_quiet_verbose(quiet, verbose)
+    stops = stream.check_stops(stop)
     system = options.command_line_text(system, "--system") if system else system
     err = Console(stderr=True, soft_wrap=True, highlight=False)
     out = Console(soft_wrap=True, highlight=False)
@@ -82,7 +87,13 @@ def chat(
     def note(msg: str, style: str | None = "dim") -> None:
         err.print(msg, style=style, markup=False)
 
-    target, drafter, timings = options.load_timed(model, draft, no_draft, dtype, note, cpu_weights)
+    def report_note(msg: str) -> None:  # the start-up report and the stats: not with --quiet
+        if not quiet:
+            note(msg)
+
+    target, drafter, timings = options.load_timed(
+        model, draft, no_draft, dtype, report_note, cpu_weights
+    )
 
     from ..caches import check_rollback
     from ..engine import Session
@@ -92,12 +103,13 @@ def chat(
         check_rollback(target, *([drafter] if drafter and draft_mode != "lookup" else []))
 
     for line in report.startup_lines(target, drafter, timings, backend()):
-        note(line)
-    note("/help for commands, Ctrl-D or /exit to quit")
+        report_note(line)
+    report_note("/help for commands, Ctrl-D or /exit to quit")
     session = Session(target, drafter)
     settings = Settings(
         temperature, top_p, top_k, num_draft, max_tokens, seed, drafter is not None, draft_mode
     )
+    shown = Shown(stops, quiet, verbose)
     convo = Conversation(system=system)
     totals = Totals()
     ask = terminal_input() if sys.stdin.isatty() else piped_input
@@ -118,17 +130,30 @@ def chat(
         if not message.strip():
             continue
         try:
-            reply(message, session, settings, convo, totals, out, note)
+            reply(message, session, settings, convo, totals, out, note, shown)
         except SpecmlxError as e:  # a bad setting or an over-long prompt: say so, keep chatting
             note(f"error: {e}", style="red")
 
 
-def reply(message, session, settings, convo, totals, out: Console, note) -> None:
+@dataclass
+class Shown:
+    """How replies are shown: cut at stop strings; with stats (not --quiet); with a note
+    per round (--verbose)."""
+
+    stops: list[str]
+    quiet: bool = False
+    verbose: bool = False
+
+
+def reply(
+    message, session, settings, convo, totals, out: Console, note, shown: Shown | None = None
+) -> None:
     """One turn: encode the conversation, stream the reply, record it and its stats."""
+    shown = shown or Shown([])
     from ..engine import generate
 
     target = session.target
-    ids, text = conversation_ids(target.tokenizer, convo, message)
+    ids, rendered = conversation_ids(target.tokenizer, convo, message)
     limit = target.config.get("max_position_embeddings")
     room = limit - len(ids) if limit else settings.max_tokens
     if room < 1:
@@ -151,26 +176,29 @@ def reply(message, session, settings, convo, totals, out: Console, note) -> None
         top_k=settings.top_k,
         seed=settings.seed,
     )
-    shown = 0
+    rounds = stream.round_notes(gen.stats, note) if shown.verbose else lambda: None
+    text = ""
     with sigint_flag() as interrupted:
         try:
-            for step in gen:
-                out.out(step.text, end="")
-                shown += len(step.text)
+            for _step, piece in stream.stop_pieces(gen, shown.stops):
+                rounds()
+                out.out(piece, end="")
+                text += piece
                 if interrupted:
                     break
         except KeyboardInterrupt:  # a second Ctrl-C: stop even mid-round
             interrupted.append(signal.SIGINT)
         finally:
             gen.close()  # the Session trims both caches back to what was emitted
-    if not interrupted:
-        out.out(gen.text[shown:], end="")  # text the detokenizer held until the end
+    rounds()
     out.out("")
     if interrupted:
         note("[interrupted]")
-    remember(convo, message, ids, text, gen, target.tokenizer)
+    remember(convo, message, ids, rendered, text, gen, target.tokenizer)
     totals.add(gen.stats)
-    note(report.stats_line(gen.stats, report.plain_note(gen.stats, session, settings.draft_on)))
+    if not shown.quiet:
+        plain = report.plain_note(gen.stats, session, settings.draft_on)
+        note(report.stats_line(gen.stats, plain, stream.reached_stop(gen, shown.stops)))
     if limit and len(convo.ids) >= limit:
         note(f"context full ({limit} tokens): /reset to start a new conversation", style="yellow")
 
@@ -202,15 +230,19 @@ def conversation_ids(tokenizer, convo: Conversation, message: str) -> tuple[list
     return encode(text), text
 
 
-def remember(convo: Conversation, message: str, ids: list[int], text: str, gen, tokenizer):
-    """Add the turn to the conversation; the reply is what was generated (and shown)."""
+def remember(
+    convo: Conversation, message: str, ids: list[int], rendered: str, reply: str, gen, tokenizer
+):
+    """Add the turn to the conversation; the reply is what was shown (`reply`)."""
     convo.messages += [
         {"role": "user", "content": message},
-        {"role": "assistant", "content": gen.text},
+        {"role": "assistant", "content": reply},
     ]
-    if tokenizer.decode(gen.tokens) == gen.text:
-        convo.ids, convo.text = ids + gen.tokens, text + gen.text
-    else:  # an interrupted multi-byte character: let the next turn re-encode the text
+    if tokenizer.decode(gen.tokens) == reply:
+        convo.ids, convo.text = ids + gen.tokens, rendered + reply
+    else:
+        # An interrupted multi-byte character, or a reply cut at a stop string: let the
+        # next turn re-encode the text (the Session reuses the prefix that still matches).
         convo.ids, convo.text = [], ""
 
 

@@ -1,4 +1,4 @@
-"""`specmlx generate`: one prompt in, text out; scriptable with --json."""
+"""`specmlx generate`: one prompt in, text out; scriptable with --json or --jsonl."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 
 from ..errors import SpecmlxError
-from . import app, options, report
+from . import app, options, report, stream
 
 
 @app.command()
@@ -42,17 +42,35 @@ def generate(
     system: str = options.System,
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
+    as_jsonl: bool = typer.Option(
+        False,
+        "--jsonl",
+        help='Stream JSON lines: one per token, {"token", "text", "from_draft"} ("text" is '
+        'what the token adds, "" while held back; a last piece of text comes with "token" '
+        'null), then one with "done": true and what --json prints.',
+    ),
+    stop: list[str] = options.Stop,
+    quiet: bool = options.Quiet,
+    verbose: bool = options.Verbose,
 ) -> None:
     """Generate a reply to one prompt, speculatively when a draft is given."""
     num_draft = options.check_settings(max_tokens, temperature, top_p, top_k, gamma, draft_mode)
+    options.check_quiet_verbose(quiet, verbose)
+    if as_json and as_jsonl:
+        raise SpecmlxError("give --json or --jsonl, not both")
+    stops = stream.check_stops(stop)
+    scripted = as_json or as_jsonl
     text = options.read_prompt(prompt, prompt_file, prompt_arg)
     if system is not None:
         system = options.command_line_text(system, "--system")
     err = Console(stderr=True, soft_wrap=True, highlight=False)
 
     def log(msg: str) -> None:
-        if not as_json:  # plain text: rich markup would eat anything in [brackets]
+        if not (scripted or quiet):  # plain text: rich markup would eat anything in [brackets]
             err.print(msg, style="dim", markup=False)
+
+    def detail(msg: str) -> None:  # --verbose: said even with --json
+        err.print(msg, style="dim", markup=False)
 
     target, drafter, timings = options.load_timed(model, draft, no_draft, dtype, log, cpu_weights)
 
@@ -61,7 +79,7 @@ def generate(
     from ..engine import generate as run
     from ..loading import backend
 
-    if not as_json:
+    if not scripted:
         for line in report.startup_lines(target, drafter, timings, backend()):
             log(line)
     tokenizer = target.tokenizer
@@ -101,24 +119,36 @@ def generate(
         top_k=top_k,
         seed=seed,
     )
-    shown = 0
+    rounds = stream.round_notes(gen.stats, detail) if verbose else lambda: None
+    text_out = ""
     try:
-        for step in gen:
-            if not as_json:
-                sys.stdout.write(step.text)
+        for step, text in stream.stop_pieces(gen, stops):
+            rounds()
+            text_out += text
+            if as_jsonl:
+                token = None if step is None else step.token
+                piece = {"token": token, "text": text, "from_draft": bool(step and step.from_draft)}
+                if step is not None or text:
+                    print(json.dumps(piece, ensure_ascii=False), flush=True)
+            elif not as_json:
+                sys.stdout.write(text)
                 sys.stdout.flush()
-                shown += len(step.text)
     except KeyboardInterrupt:
-        if shown:  # end the line of text, so that "interrupted" gets one of its own
+        if text_out and not scripted:  # end the line of text: "interrupted" gets its own
             sys.stdout.write("\n")
         raise
+    finally:
+        gen.close()  # stopped at a stop string: the rest is never decoded
+    rounds()
+    stopped = stream.reached_stop(gen, stops)
     first_token_s = timings["cold_start_s"] + gen.stats.ttft
     total_s = time.time() - report.process_start()
     stats = gen.stats
-    if as_json:
+    if scripted:
         out = {
-            "text": gen.text,
+            "text": text_out,
             "tokens": gen.tokens,
+            "finish_reason": "stop" if stopped else stats.finish_reason,
             "model": str(target.path),
             "draft": str(drafter.path) if drafter else None,
             "settings": {
@@ -128,6 +158,7 @@ def generate(
                 "top_k": top_k,
                 "gamma": num_draft,
                 "seed": seed,
+                "stop": stops,
                 "dtype": target.dtype,
                 "backend": backend(),
                 "cpu_weights": {"target": target.weights, "draft": drafter and drafter.weights},
@@ -153,11 +184,10 @@ def generate(
             },
             "memory": report.memory(),
         }
-        print(json.dumps(out, ensure_ascii=False))
+        print(json.dumps({"done": True, **out} if as_jsonl else out, ensure_ascii=False))
     else:
-        # After an EOS the engine may flush text it held back; print that too.
-        sys.stdout.write(gen.text[shown:] + "\n")
+        sys.stdout.write("\n")
         cpu = f" · {report.cpu_tag(target)}" if backend() == "cpu" else ""
-        line = report.stats_line(stats, report.plain_note(stats, session))
+        line = report.stats_line(stats, report.plain_note(stats, session), stopped)
         log(f"{line}{cpu} · first token {first_token_s:.2f} s after start")
         log(report.memory_line())

@@ -168,3 +168,22 @@ def command_line_text(text: str, source: str) -> str:
         return utf8(text.encode("utf-8", "surrogateescape"), source)
     except UnicodeEncodeError:  # a surrogate that no undecodable byte stands for
         raise SpecmlxError(f"{source} is not UTF-8 text") from None
+
+
+Stop = typer.Option(
+    None,
+    "--stop",
+    help="Stop where this text first appears; it is never printed (repeatable).",
+)
+Quiet = typer.Option(False, "--quiet", "-q", help="No start-up report or stats on stderr.")
+Verbose = typer.Option(
+    False,
+    "--verbose",
+    "-v",
+    help="Also note each round on stderr: γ used, drafts accepted, draft and verify times.",
+)
+
+
+def check_quiet_verbose(quiet: bool, verbose: bool) -> None:
+    if quiet and verbose:
+        raise SpecmlxError("give --quiet or --verbose, not both")

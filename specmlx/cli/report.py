@@ -148,9 +148,9 @@ def plain_note(stats, session, draft_on: bool = True) -> str:
     return f"draft idle: auto kept plain decoding: {why}"
 
 
-def stats_line(stats, plain: str = "plain decoding") -> str:
+def stats_line(stats, plain: str = "plain decoding", stopped: bool = False) -> str:
     """One line per reply: tokens, speed, TTFT, prefill, and the speculative numbers;
-    `plain` says why, when no draft ran (see plain_note)."""
+    `plain` says why, when no draft ran (see plain_note); `stopped`: at a stop string."""
     parts = [
         f"{stats.tokens} tokens",
         f"{stats.decode_tps:.1f} tok/s",
@@ -166,6 +166,8 @@ def stats_line(stats, plain: str = "plain decoding") -> str:
         ]
     else:
         parts.append(plain)
-    if stats.finish_reason == "length":
+    if stopped:
+        parts.append("stopped at --stop")
+    elif stats.finish_reason == "length":
         parts.append("hit max tokens")
     return " · ".join(parts)
