@@ -310,3 +310,92 @@ def test_a_model_path_with_glob_characters_is_one_line(model_dirs, tmp_path):
     shutil.copytree(model_dirs["target"], odd)
     with pytest.raises(SpecmlxError, match=r"rename the directory"):
         specmlx.load(odd)
+
+
+# --- a GGUF file: the same promise, for `specmlx quantize FILE.gguf` ---------------------
+
+
+def gguf_sections(blob: bytes, path: Path) -> int:
+    """Where a valid GGUF file's tensor data begins (the metadata and tensor infos end)."""
+    from gguf import GGUFReader
+
+    return int(GGUFReader(path).data_offset)
+
+
+def gguf_truncate(rng, blob: bytes, data_at: int) -> bytes:
+    """Cut anywhere; most cuts in the header, the metadata or the tensor infos."""
+    if rng.random() < 0.1:
+        return blob[: int(rng.choice([0, 3, 4, 8, 16, 24, data_at - 1, data_at]))]
+    end = data_at if rng.random() < 2 / 3 else len(blob)
+    return blob[: int(rng.integers(0, end))]
+
+
+def gguf_header_bytes(rng, blob: bytes, data_at: int) -> bytes:
+    """1-8 random bytes in the metadata and tensor infos (the magic left alone half the
+    time, so that most reach the reader's parsing)."""
+    out = bytearray(blob)
+    start = 4 if rng.random() < 0.5 else 0
+    for position in rng.integers(start, data_at, size=int(rng.integers(1, 9))):
+        out[position] = int(rng.integers(0, 256))
+    return bytes(out)
+
+
+def gguf_count_field(rng, blob: bytes, data_at: int) -> bytes:
+    """The version, tensor count or metadata count off by a little, or absurd."""
+    offset, size = [(4, 4), (8, 8), (16, 8)][int(rng.integers(0, 3))]
+    (value,) = struct.unpack_from("<I" if size == 4 else "<Q", blob, offset)
+    choices = [0, 1, value - 1, value + 1, value * 2, 2**31, 2 ** (8 * size) - 1]
+    new = int(rng.choice(choices)) % 2 ** (8 * size)
+    out = bytearray(blob)
+    struct.pack_into("<I" if size == 4 else "<Q", out, offset, new)
+    return bytes(out)
+
+
+GGUF_MUTATIONS = {
+    "truncate": (gguf_truncate, 35),
+    "header_bytes": (gguf_header_bytes, 45),
+    "count_field": (gguf_count_field, 20),
+}
+GGUF_CASES = [(kind, i) for kind, (_, count) in GGUF_MUTATIONS.items() for i in range(count)]
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(original, tmp_path_factory) -> Path:
+    from test_gguf import write_gguf
+
+    return write_gguf(original, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+@pytest.mark.parametrize(
+    ("kind", "number"), GGUF_CASES, ids=[f"gguf-{k}-{i}" for k, i in GGUF_CASES]
+)
+def test_damaged_gguf_is_refused_on_one_line_or_opens(tiny_gguf, tmp_path, kind, number):
+    from specmlx.convert.gguf import open_gguf
+
+    mutate, _ = GGUF_MUTATIONS[kind]
+    rng = np.random.default_rng([SEED, 100 + list(GGUF_MUTATIONS).index(kind), number])
+    blob = tiny_gguf.read_bytes()
+    path = tmp_path / "damaged.gguf"
+    path.write_bytes(mutate(rng, blob, gguf_sections(blob, tiny_gguf)))
+    try:
+        open_gguf(path)
+    except SpecmlxError as e:
+        message = str(e)
+        assert "\n" not in message and str(path) in message, message
+        assert "Error" not in message, message  # no exception's name or message leaks
+
+
+def test_a_gguf_the_reader_cannot_read_says_whether_it_is_one(tiny_gguf, tmp_path):
+    from specmlx.convert.gguf import open_gguf
+
+    blob = tiny_gguf.read_bytes()
+    for content, says in [
+        (blob[:100], "is truncated or corrupt"),
+        (b"GGUX" + blob[4:], "is not a GGUF file"),
+    ]:
+        path = tmp_path / "bad.gguf"
+        path.write_bytes(content)
+        with pytest.raises(SpecmlxError) as refused:
+            open_gguf(path)
+        assert str(refused.value) == f"{path} {says}"
+        assert refused.value.__cause__ is not None  # chained, for --debug

@@ -97,8 +97,14 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     return None
 
 
-def read_fields(reader) -> dict[str, Any]:
-    return {key: field.contents() for key, field in reader.fields.items()}
+def read_fields(reader, path: Path) -> dict[str, Any]:
+    fields = {}
+    for key, field in reader.fields.items():
+        try:
+            fields[key] = field.contents()
+        except UnicodeDecodeError as e:  # the reader decodes strings only when asked
+            raise SpecmlxError(f"{path} is corrupt: metadata {key!r} is not UTF-8 text") from e
+    return fields
 
 
 def _eps(value: float) -> float:
@@ -257,16 +263,22 @@ def _tensor_reader(
     return read_rows, align
 
 
+def gguf_damage(path: Path) -> str:
+    """What is wrong with a file the GGUF reader could not read, in words."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    return "is truncated or corrupt" if magic == b"GGUF" else "is not a GGUF file"
+
+
 def open_gguf(path: Path) -> Source:
     from gguf import GGUFReader
 
     try:
         reader = GGUFReader(path)
     except Exception as e:  # the reader raises ValueError, struct errors, IndexError…
-        raise SpecmlxError(
-            f"{path} is not a valid GGUF file or is truncated ({type(e).__name__}: {e})"
-        ) from None
-    fields = read_fields(reader)
+        # Its message is numpy's or struct's (an index out of bounds): no help to a user.
+        raise SpecmlxError(f"{path} {gguf_damage(path)}") from e
+    fields = read_fields(reader, path)
     arch = gguf_architecture(fields)
     size = path.stat().st_size
     supported = _types()
