@@ -56,6 +56,7 @@ class Stats:
     decode_time: float = 0.0  # first round to last token, seconds
     ttft: float = 0.0  # call to first emitted token, seconds
     finish_reason: str = ""  # "eos" | "length"
+    eos: int = 0  # 1 where the target produced an EOS (never emitted, but a pass made it)
     accepted_by_position: list[int] = field(default_factory=list)
     drafted_by_position: list[int] = field(default_factory=list)
 
@@ -66,8 +67,10 @@ class Stats:
 
     @property
     def tokens_per_pass(self) -> float:
-        """tau: mean tokens emitted per target forward pass (1.0 for plain decoding)."""
-        return self.tokens / self.target_passes if self.target_passes else 0.0
+        """tau: tokens the target produced per forward pass, 1.0 for plain decoding: the
+        pass that sampled an EOS counts its token too, though the EOS is never emitted."""
+        produced = self.tokens + self.eos
+        return produced / self.target_passes if self.target_passes else 0.0
 
     @property
     def decode_tps(self) -> float:
@@ -356,7 +359,7 @@ def _decode(
             yield step
         stats.decode_time = time.perf_counter() - decode_start - prompt_s
         if text.ended:
-            stats.finish_reason = "eos"
+            stats.finish_reason, stats.eos = "eos", 1
             break
     stats.finish_reason = stats.finish_reason or "length"
     policy.finish()

@@ -281,12 +281,12 @@ def test_auto_gamma_shows_the_gamma_its_drafting_rounds_used_not_0():
 
 
 def test_tau_counts_the_pass_that_sampled_the_eos():
-    from specmlx.cli.report import stats_line, tokens_per_pass
+    from specmlx.cli.report import stats_line
     from specmlx.engine import Stats
 
     # 10 passes: one draft rejected, 8 plain tokens, then a pass whose token was the EOS.
-    stats = Stats(tokens=9, target_passes=10, drafted=1, accepted=0, finish_reason="eos")
-    assert tokens_per_pass(stats) == 1.0 and "τ 1.00" in stats_line(stats)
+    stats = Stats(tokens=9, target_passes=10, drafted=1, accepted=0, finish_reason="eos", eos=1)
+    assert stats.tokens_per_pass == 1.0 and "τ 1.00" in stats_line(stats)
 
 
 class FakeScheduler:

@@ -382,7 +382,7 @@ def test_truncated_gguf_is_refused(gguf_files, tmp_path):
 def test_gguf_with_a_corrupt_header_is_refused(gguf_files, tmp_path):
     path = tmp_path / "corrupt.gguf"
     path.write_bytes(b"NOPE" + gguf_files["target", "F16"].read_bytes()[4:])
-    bad_gguf(path, "not a valid GGUF file")
+    bad_gguf(path, "is not a GGUF file")
 
 
 def test_unsupported_gguf_quant_type_is_named(model_dirs, tmp_path):

@@ -391,3 +391,14 @@ def test_auto_shows_the_stop_rule_and_the_calibration_the_drafts_own_confidence(
 def test_a_seed_out_of_range_is_refused_by_the_api_too(no_eos, seed):
     with pytest.raises(specmlx.SpecmlxError, match="seed must be an integer >= 0"):
         specmlx.generate(no_eos["target"], PROMPT, seed=seed)
+
+
+def test_plain_decoding_to_an_eos_makes_one_token_per_pass(no_eos, monkeypatch):
+    # The pass that samples the EOS produced a token too, though it is never emitted.
+    target = no_eos["target"]
+    first = specmlx.generate(target, PROMPT, max_tokens=16, num_draft=0).run().tokens
+    stop = next(i for i, t in enumerate(first) if i > 0 and t not in first[:i])
+    monkeypatch.setattr(target.tokenizer, "eos_token_ids", {first[stop]})
+    gen = specmlx.generate(target, PROMPT, max_tokens=16, num_draft=0).run()
+    assert gen.tokens == first[:stop] and gen.stats.finish_reason == "eos"
+    assert gen.stats.target_passes == stop + 1 and gen.stats.tokens_per_pass == 1.0

@@ -383,10 +383,8 @@ def totals_lines(replies: list) -> list[str]:
         f"(the rest came from the KV cache)",
     ]
     if total.drafted:
-        # τ with each reply's EOS counted, as report.tokens_per_pass does for one reply
-        produced = total.tokens + sum(s.finish_reason == "eos" for s in replies)
         lines.append(
-            f"  α {total.acceptance:.2f} · τ {produced / total.target_passes:.2f} · "
+            f"  α {total.acceptance:.2f} · τ {total.tokens_per_pass:.2f} · "
             f"verify/draft {total.verify_time:.2f}/{total.draft_time:.2f} s"
         )
     return lines

@@ -103,13 +103,6 @@ def cpu_tag(target) -> str:
     return f"{target.weights} weights on {blas}×{info['threads'] or 1}"
 
 
-def tokens_per_pass(stats) -> float:
-    """τ with the EOS counted: the pass that sampled it produced a token, though the EOS is
-    never emitted (Stats.tokens leaves it out), so plain decoding reads 1.0, not n/(n+1)."""
-    produced = stats.tokens + (stats.finish_reason == "eos")
-    return produced / stats.target_passes if stats.target_passes else 0.0
-
-
 def gamma_shown(stats) -> str:
     """γ as asked; for auto, the γ its drafting rounds used most, in how many of the rounds
     (the rest were plain), and how many the draft's own confidence cut short."""
@@ -160,7 +153,7 @@ def stats_line(stats, plain: str = "plain decoding", stopped: bool = False) -> s
     if stats.drafted:
         parts += [
             f"α {stats.acceptance:.2f}",
-            f"τ {tokens_per_pass(stats):.2f}",
+            f"τ {stats.tokens_per_pass:.2f}",
             f"γ {gamma_shown(stats)}",
             f"verify/draft {stats.verify_time:.2f}/{stats.draft_time:.2f} s",
         ]
