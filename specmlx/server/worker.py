@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from ..engine import Stats, generate
-from .pool import SessionPool
 from ..stops import StopText
+from .pool import SessionPool
 
 
 @dataclass
