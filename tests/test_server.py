@@ -280,6 +280,24 @@ def test_pool_takes_the_longest_prefix_and_keeps_to_its_budget(models):
     assert pool.cache_bytes == 0 and pool.idle[0].cached == []
 
 
+def test_interleaved_conversations_keep_a_session_each(models):
+    # Both start with the same system prompt: the second must not take over the first's
+    # caches, and each one's next turn must find its own.
+    target, draft = models["target"], models["perturbed"]
+    pool = SessionPool(target, draft, budget_bytes=1 << 30)
+    system = [5, 6, 7, 8]
+    a, b = system + [10, 11, 12, 13, 14, 15], system + [20, 21, 22, 23, 24, 25]
+    sessions = {}
+    for name, ids in (("a", a), ("b", b)):
+        sessions[name] = pool.take(ids)
+        specmlx.generate(target, ids, draft=draft, session=sessions[name], max_tokens=4).run()
+        pool.give_back(sessions[name])
+    assert sessions["a"] is not sessions["b"]
+    for name in ("a", "b"):
+        next_turn = sessions[name].cached + [30, 31]
+        assert pool.take(next_turn) is sessions[name]
+
+
 def test_api_key_is_required_when_set(models):
     app = make_app(models["target"], models["perturbed"], model_id=MODEL, api_key="sekrit")
     with running(app) as base:

@@ -17,8 +17,8 @@ from ..caches import layers
 from ..engine import Session
 from ..loading import Model
 
-# A prompt that shares nothing with any Session gets a new one, up to this many; past it,
-# the least recently used is taken over. Empty Sessions cost next to nothing.
+# A prompt that shares little with every Session gets a new one, up to this many; past it,
+# the closest (or the least recently used) is taken over. Empty Sessions cost little.
 MAX_SESSIONS = 16
 
 
@@ -30,15 +30,21 @@ class SessionPool:
         self.cache_bytes = 0  # of the idle Sessions, after the last request
 
     def take(self, ids: list[int]) -> Session:
-        """The Session whose cached tokens share the longest prefix with `ids`."""
+        """The Session whose cached tokens share the longest prefix with `ids`, unless
+        taking it over would throw away another conversation for a small gain: a prompt
+        that extends a Session's whole history (a chat's next turn) takes it; one that
+        shares less than half of itself with the best gets a new Session while there is
+        room, so that interleaved conversations keep a cache each."""
         # The most recently used wins a tie: it is the likeliest to be asked again.
         best = max(
             reversed(self.idle), key=lambda s: common_prefix_len(s.cached, ids), default=None
         )
-        if best is None or common_prefix_len(best.cached, ids) == 0:
-            if len(self.idle) < MAX_SESSIONS:
-                return Session(self.target, self.draft)
-            best = self.idle[0]
+        shared = common_prefix_len(best.cached, ids) if best is not None else 0
+        room = len(self.idle) < MAX_SESSIONS
+        extends = best is not None and 0 < shared == len(best.cached)
+        if best is None or (room and not extends and (shared == 0 or shared < len(ids) // 2)):
+            return Session(self.target, self.draft)
+        best = best if shared > 0 else self.idle[0]  # no room: the least recently used
         self.idle.remove(best)
         return best
 
