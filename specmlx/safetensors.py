@@ -89,7 +89,9 @@ def read_header(path: Path) -> Header:
         raw = f.read(header_bytes)
     header = _parse_json(path, raw)
     data_bytes = size - 8 - header_bytes
-    metadata = header.pop("__metadata__", {})
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:  # mx.save_safetensors writes null when it was given no metadata
+        metadata = {}
     if not isinstance(metadata, dict) or not all(
         isinstance(v, str) and _is_utf8(k) and _is_utf8(v) for k, v in metadata.items()
     ):

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -399,3 +400,12 @@ def test_a_gguf_the_reader_cannot_read_says_whether_it_is_one(tiny_gguf, tmp_pat
             open_gguf(path)
         assert str(refused.value) == f"{path} {says}"
         assert refused.value.__cause__ is not None  # chained, for --debug
+
+
+def test_a_file_mlx_saved_without_metadata_reads(tmp_path):
+    # mx.save_safetensors writes "__metadata__": null when it is given none.
+    from specmlx.safetensors import read_header
+
+    path = tmp_path / "model.safetensors"
+    mx.save_safetensors(str(path), {"a": mx.zeros((2, 2))})
+    assert read_header(path).metadata == {}

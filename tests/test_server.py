@@ -169,7 +169,7 @@ def test_second_chat_turn_prefills_only_its_new_tokens(client):
 
 
 def test_concurrent_streams_each_equal_the_request_run_alone(client, url):
-    prompts = [[f"client {c} request {r}" for r in range(3)] for c in range(8)]
+    prompts = [[f"client {c} request {r}" for r in range(4)] for c in range(8)]  # 8 clients x 4
     alone = {p: chat(client, p).choices[0].message.content for ps in prompts for p in ps}
     health: list[float] = []
     done = threading.Event()
