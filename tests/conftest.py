@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import tempfile
@@ -46,3 +47,19 @@ def model_dirs(tmp_path_factory):
 def models(model_dirs):
     """The same models loaded with specmlx.load (lazy, float32)."""
     return {name: specmlx.load(path) for name, path in model_dirs.items()}
+
+
+@pytest.fixture(scope="module")
+def endless_target(model_dirs, tmp_path_factory):
+    """The target with its EOS moved to a padding id it never samples, and a long context:
+    it generates until stopped, so a Ctrl-C always lands mid-run."""
+    path = tmp_path_factory.mktemp("endless") / "target"
+    shutil.copytree(model_dirs["target"], path)
+    config = json.loads((path / "config.json").read_text())
+    config["eos_token_id"] = config["vocab_size"] - 1
+    config["max_position_embeddings"] = 1_000_000
+    (path / "config.json").write_text(json.dumps(config))
+    tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+    tokenizer_config["eos_token"] = None
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return path

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import pty
 import re
 import select
-import shutil
 import subprocess
 import sys
 import time
-
-import pytest
 
 STATS = re.compile(
     r"(\d+) tokens · [\d.]+ tok/s · TTFT [\d.]+ s · prefill (\d+) new of (\d+) prompt tokens(.*)"
@@ -84,22 +80,6 @@ def test_piped_conversation_and_slash_commands(model_dirs, tmp_path):
     assert fourth["prefill"] == fourth["prompt"] - 1  # the caches were emptied by /reset
     assert "γ 2" in fourth["rest"] and fourth["tokens"] <= 4
     assert "unknown command /bogus" in err
-
-
-@pytest.fixture(scope="module")
-def endless_target(model_dirs, tmp_path_factory):
-    """The target with its EOS moved to a padding id it never samples, and a long context:
-    its replies run until stopped, so Ctrl-C always lands mid-reply."""
-    path = tmp_path_factory.mktemp("endless") / "target"
-    shutil.copytree(model_dirs["target"], path)
-    config = json.loads((path / "config.json").read_text())
-    config["eos_token_id"] = config["vocab_size"] - 1
-    config["max_position_embeddings"] = 1_000_000
-    (path / "config.json").write_text(json.dumps(config))
-    tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
-    tokenizer_config["eos_token"] = None
-    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    return path
 
 
 class Terminal:

@@ -7,7 +7,6 @@ import os
 import re
 import select
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -39,22 +38,6 @@ def one_error_line(run: subprocess.CompletedProcess, says: str) -> None:
 @pytest.fixture(scope="module")
 def home(tmp_path_factory):
     return tmp_path_factory.mktemp("specmlx-home")
-
-
-@pytest.fixture(scope="module")
-def endless_target(model_dirs, tmp_path_factory):
-    """The target with its EOS moved to a padding id it never samples and a long context:
-    it generates until stopped, so a Ctrl-C always lands mid-run."""
-    path = tmp_path_factory.mktemp("endless") / "target"
-    shutil.copytree(model_dirs["target"], path)
-    config = json.loads((path / "config.json").read_text())
-    config["eos_token_id"] = config["vocab_size"] - 1
-    config["max_position_embeddings"] = 1_000_000
-    (path / "config.json").write_text(json.dumps(config))
-    tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
-    tokenizer_config["eos_token"] = None
-    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    return path
 
 
 def interrupt_once_started(args: list[str], home, started: str) -> tuple[int, str]:
