@@ -556,3 +556,23 @@ def test_a_rejection_that_must_be_rewound_is_priced_into_every_draft_length():
 
 def test_caches_that_trim_cost_nothing_to_rewind():
     assert measured(lambda k: 1.0, 0.2).rewind_ratio == 0.0
+
+
+def test_a_hopeless_drafts_cost_probes_back_off_across_calls():
+    # The costs belong to the pair, not the text: a draft as costly as the target must not
+    # pay a probe (and the draft's re-timing) in every reply, as a per-call back-off did.
+    s = warmed(lambda k: k, draft_ratio=1.0, alpha=1.0)
+    probes = 0
+    for _ in range(8):  # eight 48-token replies
+        s.start_call()
+        probes += sum(s.choose().cost_probe for _ in range(48))
+    assert probes <= 3  # after 32, 64, 128 plain rounds, not one per reply
+
+
+def test_the_cost_probe_back_off_is_kept_with_the_costs(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECMLX_HOME", str(tmp_path))
+    costs = measured(lambda k: k, 1.0)
+    costs.plain_since_cost_probe, costs.cost_backoff = 17, 256
+    save_costs("pair", costs)
+    again = load_costs("pair")
+    assert (again.plain_since_cost_probe, again.cost_backoff) == (17, 256)

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from math import prod
 
 from .acceptance import BANDS, PRIOR_ALPHA, PRIOR_WEIGHT, Acceptance, band
-from .costs import Costs
+from .costs import FIRST_BACKOFF, Costs
 
 # Prompt lookup's guess weighs more: its drafts come in bursts (a copied span passes
 # whole, then the match runs out), so one miss says little about the next match, and a
@@ -52,7 +52,6 @@ LOOKUP_PRIOR_WEIGHT = 4.0
 # longest look at a text's α (probe_length picks the cheapest up to it).
 FIRST_PROBE = 3
 COST_PROBE = 2  # draft length of a probe that re-measures the verify cost curve only
-FIRST_BACKOFF = 32  # plain rounds before a cost-only probe; doubles after each
 # After this many rounds with drafts in a row, one plain round re-measures T(1), to which
 # every other cost is relative (a stale T(1) would make speculation look better or worse).
 REFRESH = 32
@@ -92,7 +91,6 @@ class Scheduler:
     acceptance: Acceptance = field(default_factory=Acceptance)
     rounds_since_probe: int = 0  # plain rounds since the last with drafts
     drafting: int = 0  # rounds with drafts since the last plain one
-    backoff: int = FIRST_BACKOFF
     paused: bool = False  # the last round was plain only to re-measure T(1)
     opening: bool = False  # the next round is a call's first: its token is the target's
     # Which of the costs' calibrations this call reads and teaches: greedy, drafts pass
@@ -109,7 +107,6 @@ class Scheduler:
         self.paused = False
         self.opening = not self.free_drafts
         self.rounds_since_probe = 0
-        self.backoff = FIRST_BACKOFF
 
     @property
     def draft_ratio(self) -> float | None:
@@ -164,17 +161,22 @@ class Scheduler:
                 self.paused = True
                 return plain
             self.rounds_since_probe = 0
-            self.backoff = FIRST_BACKOFF
+            self.costs.cost_backoff = FIRST_BACKOFF
             return Choice(best, predicted_tps=self.tps(rates[best]))
         self.rounds_since_probe += 1
         if self.hopeless(rates[0]):
             # Even perfect drafts would lose: only the costs are in question. Measure T(k)
             # now and then with free guesses, and the draft by one pass (the engine): its
-            # catch-up on the rounds it missed would cost more than the probe learns.
-            if self.rounds_since_probe < self.backoff:
+            # catch-up on the rounds it missed would cost more than the probe learns. The
+            # costs belong to the pair, not the text, so the back-off outlives the call:
+            # reset per call, a draft as costly as the target paid a probe and its re-timing
+            # (~3 target steps) in every reply over 32 tokens.
+            costs = self.costs
+            costs.plain_since_cost_probe += 1
+            if costs.plain_since_cost_probe < costs.cost_backoff:
                 return plain
-            self.rounds_since_probe = 0
-            self.backoff = min(self.backoff * 2, 1024)
+            costs.plain_since_cost_probe = 0
+            costs.cost_backoff = min(costs.cost_backoff * 2, 1024)
             return Choice(min(COST_PROBE, self.max_gamma), cost_probe=True)
         # This text's α may be higher than estimated: look once the plain rounds since the
         # last look (or since the call began) can afford the look's forecast loss.

@@ -32,6 +32,7 @@ SETTLE = 3
 # such a figure, which kept auto from ever drafting, so it is measured afresh. 3: the
 # calibration is kept per band of top probability.
 COSTS_FORMAT = 3
+FIRST_BACKOFF = 32  # plain rounds before the first cost-only probe; doubles after each
 
 
 def _push(samples: list[float], value: float) -> None:
@@ -61,6 +62,11 @@ class Costs:
     # Session per call: auto 1.03x on sampled code where γ = 4 gained 1.19x).
     calibration: dict[str, list[list[float]]] = field(default_factory=dict)
     rewind: list[float] = field(default_factory=list)  # a rewound rejection / T(1) seen
+    # Cost-only probes where drafting is hopeless: plain rounds since the last, and how
+    # many to wait for the next (doubling; see choice.Scheduler.choose). Kept with the
+    # costs, across calls and runs.
+    plain_since_cost_probe: int = 0
+    cost_backoff: int = FIRST_BACKOFF
 
     @property
     def settled(self) -> bool:
@@ -144,6 +150,7 @@ class Costs:
             "plain": {"pid": os.getpid(), "seconds": self.plain},
             "calibration": self.calibration,
             "rewind": self.rewind,
+            "cost_probes": [self.plain_since_cost_probe, self.cost_backoff],
         }
 
     @classmethod
@@ -161,7 +168,8 @@ class Costs:
         }
         draft = [float(r) for r in data["draft"]]
         rewind = [float(r) for r in data.get("rewind", [])]
-        return cls(mine, target, draft, float(data["t1"]), calibration, rewind)
+        since, backoff = (int(x) for x in data.get("cost_probes", [0, FIRST_BACKOFF]))
+        return cls(mine, target, draft, float(data["t1"]), calibration, rewind, since, backoff)
 
 
 def cost_cache_path() -> Path:
