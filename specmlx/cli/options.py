@@ -13,7 +13,14 @@ from ..errors import SpecmlxError
 Model = typer.Option(
     None, "--model", "-m", help="Target model: directory, hub id, or tiny (random demo pair)."
 )
-Draft = typer.Option(None, "--draft", "-d", help="Draft model: directory or hub id.")
+Draft = typer.Option(
+    None,
+    "--draft",
+    "-d",
+    help="Draft model: directory, hub id, or auto (the smallest local model with the target's "
+    "tokenizer; see `specmlx models`).",
+)
+AUTO_DRAFT = "auto"
 NoDraft = typer.Option(False, "--no-draft", help="Plain decoding of the target (the baseline).")
 MaxTokens = typer.Option(256, "--max-tokens", "-n", help="Maximum tokens to generate.")
 Temperature = typer.Option(0.0, "--temperature", "-t", help="0 = greedy.")
@@ -86,6 +93,8 @@ def load_pair(
     from ..models import resolve_pair
 
     model, draft = resolve_pair(model, draft, log)
+    if draft == AUTO_DRAFT and not no_draft:
+        draft = pick_auto_draft(model, log)
     # Weights are read now (not at the first forward) so "ready" means ready.
     target = load(model, dtype=dtype, lazy=False, cpu_weights=cpu_weights)
     if no_draft or draft is None:
@@ -93,6 +102,27 @@ def load_pair(
     drafter = load(draft, dtype=dtype, lazy=False, cpu_weights=cpu_weights, tokenizer_from=target)
     check_pair(target, drafter)
     return target, drafter
+
+
+def pick_auto_draft(model: str, log) -> str | None:
+    """--draft auto: the smallest local model that shares the target's tokenizer (None:
+    the target decodes alone), said in one line either way."""
+    from .. import inventory
+
+    entries = inventory.list_models()
+    # A hub id is looked up in the cache the listing read: auto never goes online.
+    hub = {e.name: e.path for e in entries if e.where == inventory.HUB}
+    target = hub.get(model) or Path(model)
+    picked = inventory.smallest_same_tokenizer(target, entries) if target.is_dir() else None
+    if picked is None:
+        log("draft auto: no local model has the target's tokenizer; running the target alone")
+        return None
+    size = inventory.human_size(picked.size_bytes)
+    log(
+        f"draft auto: picked {picked.name} ({size}), the smallest local model with the "
+        "target's tokenizer"
+    )
+    return str(picked.path)
 
 
 def load_timed(
