@@ -62,8 +62,17 @@ def rm(
     """Delete one model directory from $SPECMLX_HOME/models."""
     path = inventory.removable(name)
     size = inventory.human_size(inventory.directory_size(path))
-    if not yes and not typer.confirm(f"remove {path} ({size})?", default=False, err=True):
+    if not yes and not confirmed(f"remove {path} ({size})?"):
         print("nothing removed")
         raise typer.Exit(1)
     shutil.rmtree(path)
     print(f"removed {path} ({size})")
+
+
+def confirmed(question: str) -> bool:
+    """The user's yes; no answer (stdin closed, Ctrl-C at the prompt) is a no, since
+    nothing has been removed yet."""
+    try:
+        return typer.confirm(question, default=False, err=True)
+    except typer.Abort:
+        return False
