@@ -16,7 +16,15 @@ from dataclasses import asdict, dataclass, field
 
 import mlx.core as mx
 
-from .caches import check_rollback, checkpoint, make_cache, rewind, sync_cache, trims_exactly
+from .caches import (
+    check_rollback,
+    checkpoint,
+    make_cache,
+    rewind,
+    sync_cache,
+    trim,
+    trims_exactly,
+)
 from .drafters import CostProbe, Drafter, LookupDrafter, ModelDrafter
 from .errors import SpecmlxError
 from .loading import Model, backend, check_pair
@@ -255,7 +263,10 @@ def generate(
     def steps(gen: Generation) -> Iterator[Step]:
         gen.stats.gamma, gen.stats.draft_mode = num_draft, draft_mode
         try:
-            yield from _decode(session, ids, params, max_tokens, seed, policy, drafters, gen)
+            if not drafters and trims_exactly(session.cache):
+                yield from _target_alone(session, ids, params, max_tokens, seed, gen)
+            else:
+                yield from _decode(session, ids, params, max_tokens, seed, policy, drafters, gen)
         except GeneratorExit:  # closed between steps: the caches hold what was emitted
             raise
         except BaseException:
@@ -363,6 +374,68 @@ def _decode(
             break
     stats.finish_reason = stats.finish_reason or "length"
     policy.finish()
+    gen.text += text.flush()
+
+
+def _target_alone(
+    session: Session,
+    ids: list[int],
+    params: SamplingParams,
+    max_tokens: int,
+    seed: int,
+    gen: Generation,
+) -> Iterator[Step]:
+    """Plain decoding with no drafter, pipelined as mlx-lm's generate_step is: the next
+    step's pass is built and queued before the host reads this step's token, so Python
+    builds one graph while the CPU computes the other. The round loop's plain rounds with
+    the same keys: the same tokens. Only for caches that trim (the pass queued after a
+    final EOS is trimmed away); the others decode through the round loop."""
+    target, cache, cached, stats = session.target, session.cache, session.cached, gen.stats
+    stats.prompt_tokens = len(ids)
+    start = time.perf_counter()
+    stats.prefill_tokens = sync_cache(target, cache, cached, ids[:-1])
+    stats.prefill_time = time.perf_counter() - start
+    draw = make_sampler(params, session.vocab_size)
+    text = _Text(target.tokenizer)
+    key, last = mx.random.key(seed), ids[-1]
+
+    def step(x: mx.array) -> mx.array:
+        nonlocal key
+        key, round_key = mx.random.split(key)
+        logits = target.module(x.reshape(1, 1), cache=cache)[0, -1:]
+        return draw(logits, round_key)[1]
+
+    decode_start = time.perf_counter()
+    token = step(mx.array([last], mx.uint32))
+    mx.async_eval(token)
+    queued = False  # a pass over the token being read is in the cache already
+    while stats.tokens < max_tokens:
+        t1 = time.perf_counter()
+        queued = stats.tokens + 1 < max_tokens  # the last token allowed needs no next pass
+        if queued:
+            next_token = step(token)
+            mx.async_eval(next_token)
+        value = token.item()
+        stats.verify_time += time.perf_counter() - t1
+        stats.target_passes += 1
+        stats.rounds_by_gamma[0] = stats.rounds_by_gamma.get(0, 0) + 1
+        stats.rounds_by_source["plain"] = stats.rounds_by_source.get("plain", 0) + 1
+        cached.append(last)
+        last = value
+        for out in text.steps([value], 0, max_tokens - stats.tokens):
+            stats.tokens += 1
+            if stats.tokens == 1:
+                stats.ttft = time.perf_counter() - start
+            yield out
+        stats.decode_time = time.perf_counter() - decode_start
+        if text.ended:
+            stats.finish_reason, stats.eos = "eos", 1
+            break
+        if queued:
+            token = next_token
+    if queued:  # the pass over the EOS: nothing follows it
+        trim(cache, 1)
+    stats.finish_reason = stats.finish_reason or "length"
     gen.text += text.flush()
 
 

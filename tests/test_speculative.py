@@ -402,3 +402,24 @@ def test_plain_decoding_to_an_eos_makes_one_token_per_pass(no_eos, monkeypatch):
     gen = specmlx.generate(target, PROMPT, max_tokens=16, num_draft=0).run()
     assert gen.tokens == first[:stop] and gen.stats.finish_reason == "eos"
     assert gen.stats.target_passes == stop + 1 and gen.stats.tokens_per_pass == 1.0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_target_alone_pipelined_gives_the_round_loops_tokens(no_eos, monkeypatch, temperature):
+    # The target alone queues each next pass before reading its token (as mlx-lm does);
+    # with the same seed it must emit what the round loop's plain rounds emit, and leave
+    # the Session's cache as a continuation expects.
+    from specmlx import engine
+
+    target = no_eos["target"]
+    run = dict(max_tokens=30, num_draft=0, temperature=temperature, seed=3)
+    pipelined = specmlx.generate(target, PROMPT, **run).run().tokens
+    monkeypatch.setattr(engine, "trims_exactly", lambda cache: False)  # the round loop
+    assert specmlx.generate(target, PROMPT, **run).run().tokens == pipelined
+    monkeypatch.undo()
+    session = specmlx.Session(target)
+    first = specmlx.generate(target, PROMPT, session=session, **run).run().tokens
+    ids = target.tokenizer.encode(PROMPT) + first
+    again = specmlx.generate(target, ids, session=session, max_tokens=10, num_draft=0).run()
+    assert again.stats.prefill_tokens == 0
+    assert again.tokens == specmlx.generate(target, ids, max_tokens=10, num_draft=0).run().tokens
