@@ -263,10 +263,7 @@ def generate(
     def steps(gen: Generation) -> Iterator[Step]:
         gen.stats.gamma, gen.stats.draft_mode = num_draft, draft_mode
         try:
-            if not drafters and trims_exactly(session.cache):
-                yield from _target_alone(session, ids, params, max_tokens, seed, gen)
-            else:
-                yield from _decode(session, ids, params, max_tokens, seed, policy, drafters, gen)
+            yield from _decode(session, ids, params, max_tokens, seed, policy, drafters, gen)
         except GeneratorExit:  # closed between steps: the caches hold what was emitted
             raise
         except BaseException:
@@ -322,6 +319,12 @@ def _decode(
     text = _Text(target.tokenizer)
     key, last = mx.random.key(seed), ids[-1]
     decode_start, prompt_s = time.perf_counter(), 0.0
+    # A plain round queues the next plain pass before it reads its own token (as mlx-lm's
+    # generate_step does), so Python builds one graph while the CPU computes the other.
+    # Where the next round drafts instead, that pass is trimmed away: only caches that
+    # trim exactly take the bet.
+    pipeline = trims_exactly(cache)
+    queued = None  # (logits, probs, token) of a plain pass over `last`, queued
 
     while stats.tokens < max_tokens:
         key, round_key = mx.random.split(key)
@@ -331,6 +334,9 @@ def _decode(
         asked = min(plan.gamma, max_tokens - stats.tokens - 1)
         proposal = None
         if asked > 0:
+            if queued is not None:  # the bet on a plain round lost: drop its pass
+                trim(cache, 1)
+                queued = None
             draft_key, round_key = mx.random.split(round_key)
             proposal = plan.drafter.propose(asked, draft_key, draw, plan.go_on)
             mx.eval(proposal.tokens, proposal.q)
@@ -342,8 +348,13 @@ def _decode(
             logits = target.module(x[None], cache=cache)[0]
             n, token, probs = verify(logits, proposal.q, proposal.tokens, round_key)
         else:
-            logits = target.module(mx.array([[last]], mx.uint32), cache=cache)[0, -1:]
-            (probs, token), n = draw(logits, round_key), mx.array(0)
+            if queued is None:
+                queued = _plain_pass(target, cache, draw, mx.array([last], mx.uint32), round_key)
+            logits, probs, token = queued
+            queued, n = None, mx.array(0)
+            if pipeline and stats.tokens + 1 < max_tokens:
+                _, next_key = mx.random.split(key)
+                queued = _plain_pass(target, cache, draw, token, next_key)
         mx.eval(n, token)  # the one host sync of the round
         n, token = n.item(), token.item()
         t2 = time.perf_counter()
@@ -372,71 +383,19 @@ def _decode(
         if text.ended:
             stats.finish_reason, stats.eos = "eos", 1
             break
+    if queued is not None:  # nothing follows the last token (an EOS, or the limit)
+        trim(cache, 1)
     stats.finish_reason = stats.finish_reason or "length"
     policy.finish()
     gen.text += text.flush()
 
 
-def _target_alone(
-    session: Session,
-    ids: list[int],
-    params: SamplingParams,
-    max_tokens: int,
-    seed: int,
-    gen: Generation,
-) -> Iterator[Step]:
-    """Plain decoding with no drafter, pipelined as mlx-lm's generate_step is: the next
-    step's pass is built and queued before the host reads this step's token, so Python
-    builds one graph while the CPU computes the other. The round loop's plain rounds with
-    the same keys: the same tokens. Only for caches that trim (the pass queued after a
-    final EOS is trimmed away); the others decode through the round loop."""
-    target, cache, cached, stats = session.target, session.cache, session.cached, gen.stats
-    stats.prompt_tokens = len(ids)
-    start = time.perf_counter()
-    stats.prefill_tokens = sync_cache(target, cache, cached, ids[:-1])
-    stats.prefill_time = time.perf_counter() - start
-    draw = make_sampler(params, session.vocab_size)
-    text = _Text(target.tokenizer)
-    key, last = mx.random.key(seed), ids[-1]
-
-    def step(x: mx.array) -> mx.array:
-        nonlocal key
-        key, round_key = mx.random.split(key)
-        logits = target.module(x.reshape(1, 1), cache=cache)[0, -1:]
-        return draw(logits, round_key)[1]
-
-    decode_start = time.perf_counter()
-    token = step(mx.array([last], mx.uint32))
+def _plain_pass(target: Model, cache: list, draw, x: mx.array, key: mx.array) -> tuple:
+    """One plain step over token `x` (lazy), queued: (logits, probs, token)."""
+    logits = target.module(x.reshape(1, 1), cache=cache)[0, -1:]
+    probs, token = draw(logits, key)
     mx.async_eval(token)
-    queued = False  # a pass over the token being read is in the cache already
-    while stats.tokens < max_tokens:
-        t1 = time.perf_counter()
-        queued = stats.tokens + 1 < max_tokens  # the last token allowed needs no next pass
-        if queued:
-            next_token = step(token)
-            mx.async_eval(next_token)
-        value = token.item()
-        stats.verify_time += time.perf_counter() - t1
-        stats.target_passes += 1
-        stats.rounds_by_gamma[0] = stats.rounds_by_gamma.get(0, 0) + 1
-        stats.rounds_by_source["plain"] = stats.rounds_by_source.get("plain", 0) + 1
-        cached.append(last)
-        last = value
-        for out in text.steps([value], 0, max_tokens - stats.tokens):
-            stats.tokens += 1
-            if stats.tokens == 1:
-                stats.ttft = time.perf_counter() - start
-            yield out
-        stats.decode_time = time.perf_counter() - decode_start
-        if text.ended:
-            stats.finish_reason, stats.eos = "eos", 1
-            break
-        if queued:
-            token = next_token
-    if queued:  # the pass over the EOS: nothing follows it
-        trim(cache, 1)
-    stats.finish_reason = stats.finish_reason or "length"
-    gen.text += text.flush()
+    return logits, probs, token
 
 
 class _Text:

@@ -406,9 +406,9 @@ def test_plain_decoding_to_an_eos_makes_one_token_per_pass(no_eos, monkeypatch):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_target_alone_pipelined_gives_the_round_loops_tokens(no_eos, monkeypatch, temperature):
-    # The target alone queues each next pass before reading its token (as mlx-lm does);
-    # with the same seed it must emit what the round loop's plain rounds emit, and leave
-    # the Session's cache as a continuation expects.
+    # Plain rounds queue each next pass before reading their token (as mlx-lm does); with
+    # the same seed they must emit what unpipelined rounds emit, and leave the Session's
+    # cache as a continuation expects.
     from specmlx import engine
 
     target = no_eos["target"]
