@@ -56,6 +56,10 @@ class Stats:
     rounds_by_source: dict[str, int] = field(default_factory=dict)  # model/lookup/probe/plain
     cut_short: int = 0  # auto rounds the draft's own confidence ended before the γ chosen
     predicted_tps: float = 0.0  # the cost model's forecast for its last choice (auto only)
+    # What auto's last choice for the draft model rested on (see policy.Plan): the draft's
+    # cost per target pass and this text's forecast α; None where not measured or seen.
+    draft_ratio: float | None = None
+    forecast_alpha: float | None = None
     prefill_time: float = 0.0  # both models' prompt processing (the draft's too), seconds
     draft_time: float = 0.0
     verify_time: float = 0.0
@@ -98,6 +102,10 @@ class Stats:
         self.rewinds += r.rewind_s > 0
         if r.plan.predicted_tps:
             self.predicted_tps = r.plan.predicted_tps
+        if r.plan.draft_ratio is not None:
+            self.draft_ratio = r.plan.draft_ratio
+        if r.plan.alpha is not None:
+            self.forecast_alpha = r.plan.alpha
         if r.proposal is None:
             return
         self.draft_time += r.draft_s

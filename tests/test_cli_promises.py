@@ -272,27 +272,12 @@ def test_tau_counts_the_pass_that_sampled_the_eos():
     assert stats.tokens_per_pass == 1.0 and "τ 1.00" in stats_line(stats)
 
 
-class FakeScheduler:
-    draft_ratio = 0.45
-
-    class acceptance:  # noqa: N801  (stands in for an Acceptance instance)
-        seen, alpha = True, 0.3
-
-
-class FakeSession:
-    draft = object()
-
-    def scheduler(self, source):
-        assert source == "model"
-        return FakeScheduler
-
-
 def test_a_draft_auto_kept_idle_is_said_with_its_measured_cost():
     from specmlx.cli.report import plain_note, stats_line
     from specmlx.engine import Stats
 
-    stats = Stats(tokens=5, target_passes=5, gamma="auto")
-    line = stats_line(stats, plain_note(stats, FakeSession()))
+    stats = Stats(tokens=5, target_passes=5, gamma="auto", draft_ratio=0.45, forecast_alpha=0.3)
+    line = stats_line(stats, plain_note(stats, has_draft=True))
     assert "draft idle: auto kept plain decoding: a draft pass costs 0.45 of a target pass" in line
     assert "no draft" not in line
 

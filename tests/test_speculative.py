@@ -423,3 +423,18 @@ def test_target_alone_pipelined_gives_the_round_loops_tokens(no_eos, monkeypatch
     again = specmlx.generate(target, ids, session=session, max_tokens=10, num_draft=0).run()
     assert again.stats.prefill_tokens == 0
     assert again.tokens == specmlx.generate(target, ids, max_tokens=10, num_draft=0).run().tokens
+
+
+def test_stats_carry_the_measured_draft_cost_auto_kept_plain_for(no_eos, monkeypatch, tmp_path):
+    # What the CLI says of an idle draft comes from Stats, not from the policy's insides.
+    monkeypatch.setenv("SPECMLX_HOME", str(tmp_path))
+    session = specmlx.Session(no_eos["target"], no_eos["perturbed"])
+    costs = session.scheduler("model").costs
+    costs.plain = [0.01] * 8
+    for k in range(2, 10):
+        costs.target[k] = [1.0 + 0.1 * (k - 1)] * 3
+    costs.draft = [50.0] * 3  # hopeless: auto stays plain
+    gen = specmlx.generate(
+        no_eos["target"], PROMPT, no_eos["perturbed"], max_tokens=10, session=session
+    ).run()
+    assert gen.stats.drafted == 0 and gen.stats.draft_ratio == 50.0

@@ -197,7 +197,7 @@ def reply(
     remember(convo, message, ids, rendered, text, gen, target.tokenizer)
     totals.add(gen.stats)
     if not shown.quiet:
-        plain = report.plain_note(gen.stats, session, settings.draft_on)
+        plain = report.plain_note(gen.stats, session.draft is not None, settings.draft_on)
         note(report.stats_line(gen.stats, plain, stream.reached_stop(gen, shown.stops)))
     if limit and len(convo.ids) >= limit:
         note(f"context full ({limit} tokens): /reset to start a new conversation", style="yellow")
@@ -267,7 +267,13 @@ def summed(replies: list):
         for f in fields(stats):
             value = getattr(stats, f.name)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                if f.name not in ("gamma", "ttft", "predicted_tps"):
+                if f.name not in (
+                    "gamma",
+                    "ttft",
+                    "predicted_tps",
+                    "draft_ratio",
+                    "forecast_alpha",
+                ):
                     setattr(total, f.name, getattr(total, f.name) + value)
     return total
 

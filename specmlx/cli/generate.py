@@ -75,7 +75,7 @@ def generate(
     target, drafter, timings = options.load_timed(model, draft, no_draft, dtype, log, cpu_weights)
 
     from ..cpu import blas_info
-    from ..engine import Session, encode_prompt
+    from ..engine import encode_prompt
     from ..engine import generate as run
     from ..loading import backend
 
@@ -105,11 +105,9 @@ def generate(
         raise SpecmlxError(
             f"the prompt is {len(ids)} tokens and {target.name} takes {limit}; shorten it"
         )
-    session = Session(target, drafter)  # kept to say why auto drafted nothing, if it did not
     gen = run(
         target,
         ids,
-        session=session,
         num_draft=num_draft,
         draft_mode=draft_mode,
         draft=drafter,
@@ -188,6 +186,6 @@ def generate(
     else:
         sys.stdout.write("\n")
         cpu = f" · {report.cpu_tag(target)}" if backend() == "cpu" else ""
-        line = report.stats_line(stats, report.plain_note(stats, session), stopped)
+        line = report.stats_line(stats, report.plain_note(stats, drafter is not None), stopped)
         log(f"{line}{cpu} · first token {first_token_s:.2f} s after start")
         log(report.memory_line())

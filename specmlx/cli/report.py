@@ -115,13 +115,13 @@ def gamma_shown(stats) -> str:
     return str(stats.gamma)
 
 
-def plain_note(stats, session, draft_on: bool = True) -> str:
-    """Why a reply ran without drafts: none loaded, turned off, or auto's choice and the
-    measured costs it rests on (from the γ policy's scheduler: Stats does not carry them)."""
+def plain_note(stats, has_draft: bool, draft_on: bool = True) -> str:
+    """Why a reply ran without drafts: none loaded (`has_draft`: a draft model was), turned
+    off, or auto's choice and the measured costs it rested on."""
     if not draft_on:
         return "plain decoding (draft off)"
     lookup_only = stats.draft_mode == "lookup"
-    if session is None or (session.draft is None and stats.draft_mode == "model"):
+    if not has_draft and stats.draft_mode == "model":
         return "plain decoding (no draft)"
     if stats.gamma == 0:
         return "plain decoding (γ 0)"
@@ -129,15 +129,13 @@ def plain_note(stats, session, draft_on: bool = True) -> str:
         return "draft idle: too few tokens to draft"
     if lookup_only:
         return "draft idle: no n-gram of the context matched"
-    if session.draft is None:
+    if not has_draft:
         return "draft idle: no n-gram of the context matched (no draft model)"
-    scheduler = session.scheduler("model")  # made by this reply's auto policy
-    ratio = scheduler.draft_ratio
-    if ratio is None:
+    if stats.draft_ratio is None:
         return "draft idle: auto kept plain decoding while it measured the passes' costs"
-    why = f"a draft pass costs {ratio:.2f} of a target pass here"
-    if scheduler.acceptance.seen:
-        why += f", drafts forecast to pass {scheduler.acceptance.alpha:.2f} of the time"
+    why = f"a draft pass costs {stats.draft_ratio:.2f} of a target pass here"
+    if stats.forecast_alpha is not None:
+        why += f", drafts forecast to pass {stats.forecast_alpha:.2f} of the time"
     return f"draft idle: auto kept plain decoding: {why}"
 
 

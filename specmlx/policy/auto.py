@@ -59,7 +59,10 @@ class AutoGamma:
         if source == "lookup":
             return Plan(drafter, len(found[: choice.gamma]), predicted_tps=choice.predicted_tps)
         self.draft_tops = []
-        return Plan(drafter, choice.gamma, self._go_on, choice.predicted_tps)
+        alpha = scheduler.acceptance.alpha if scheduler.acceptance.seen else None
+        return Plan(
+            drafter, choice.gamma, self._go_on, choice.predicted_tps, scheduler.draft_ratio, alpha
+        )
 
     def _go_on(self, logits: mx.array, probs: mx.array | None) -> bool:
         """The draft's own confidence may end the round before the γ chosen."""

@@ -16,6 +16,10 @@ class Plan:
     gamma: int  # drafts to ask for (the engine never drafts past max_tokens)
     go_on: GoOn | None = None  # shown each draft as it is made; False ends the proposal
     predicted_tps: float = 0.0  # the cost model's forecast for this choice (auto only)
+    # What an auto choice for the draft model rested on: the draft's measured cost per
+    # target pass (None until measured), and this text's forecast α (None until seen).
+    draft_ratio: float | None = None
+    alpha: float | None = None
 
 
 @dataclass
