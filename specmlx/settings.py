@@ -6,6 +6,9 @@ from .errors import SpecmlxError
 from .sampling import SamplingParams
 
 DRAFT_MODES = ("model", "lookup", "auto")
+# The longest round of drafts: auto's policy plans up to it (a Session's max_gamma), and a
+# fixed γ is held to the same bound, so no setting asks for drafts auto would never make.
+MAX_GAMMA = 8
 
 
 def check_max_tokens(max_tokens: int) -> int:
@@ -15,7 +18,7 @@ def check_max_tokens(max_tokens: int) -> int:
 
 
 def parse_gamma(value: int | str) -> int | str:
-    """γ as given: 'auto', an integer >= 0, or its text."""
+    """γ as given: 'auto', an integer from 0 to MAX_GAMMA, or its text."""
     if isinstance(value, str):
         if value.strip().lower() == "auto":
             return "auto"
@@ -27,6 +30,8 @@ def parse_gamma(value: int | str) -> int | str:
             ) from None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise SpecmlxError(f"gamma (-g) must be 'auto' or an integer >= 0, got {value!r}")
+    if value > MAX_GAMMA:
+        raise SpecmlxError(f"gamma (-g) {value} is above the maximum, {MAX_GAMMA}")
     return value
 
 

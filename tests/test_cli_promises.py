@@ -144,6 +144,26 @@ def test_a_seed_out_of_range_is_one_line(seed, home):
     assert "seed must be an integer >= 0" in run.stderr and run.stderr.count("\n") == 1, run.stderr
 
 
+@pytest.mark.parametrize(
+    "command",
+    [["generate", "-p", "hi"], ["chat"], ["serve"], ["bench", "--quick"]],
+    ids=lambda c: c[0],
+)
+def test_a_gamma_above_the_maximum_is_one_line(command, home):
+    # bench takes a list: one value above the maximum is enough to refuse it
+    gamma = "2,9" if command[0] == "bench" else "9"
+    run = specmlx(*command, "--model", "tiny", "--gamma", gamma, home=home, input="")
+    one_error_line(run, "gamma (-g) 9 is above the maximum, 8")
+
+
+def test_the_largest_gamma_is_accepted(home):
+    run = specmlx(
+        "generate", "--model", "tiny", "-p", "hi", "-g", "8", "-n", "3", "--json", home=home
+    )
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["settings"]["gamma"] == 8
+
+
 def test_brackets_in_the_start_up_log_come_out_intact(monkeypatch, capsys):
     from specmlx.cli import main, report
 
@@ -317,5 +337,13 @@ def test_chat_stats_after_reset_keep_the_conversation_apart_and_gamma_has_a_maxi
     assert "this conversation: 1 reply\n" in err and "since chat started: 2 replies\n" in err
     # The only error line (a speed like "994.9 tok/s" holds "99" too)
     refused = [line for line in err.splitlines() if line.startswith("error:")]
-    assert refused == ["error: /set gamma: 99 is above the maximum, 8"], err
+    assert refused == ["error: gamma (-g) 99 is above the maximum, 8"], err
     assert "gamma=auto" in err  # the setting stayed as it was
+
+
+def test_the_servers_num_draft_field_has_the_same_maximum():
+    from specmlx.server.fields import APIError, Defaults, parse
+
+    body = {"model": "m", "prompt": "hi", "num_draft": 9}
+    with pytest.raises(APIError, match=r"gamma \(-g\) 9 is above the maximum, 8"):
+        parse(body, chat=False, defaults=Defaults())

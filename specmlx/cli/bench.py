@@ -241,7 +241,7 @@ def bench(
 ) -> None:
     """Benchmark target alone vs speculative decoding (specmlx and mlx-lm), interleaved."""
     from .. import bench as lib
-    from ..settings import check_max_tokens
+    from ..settings import check_max_tokens, parse_gamma
 
     err = Console(stderr=True, soft_wrap=True)
     if from_json is not None:
@@ -254,6 +254,8 @@ def bench(
     preset = QUICK if quick else {}
     gamma = gamma or preset.get("gamma") or DEFAULTS["gamma"]
     gammas = lib.parse_gammas(gamma)
+    for value in gammas:
+        parse_gamma(value)  # generate's rule, its maximum included
     if "auto" not in gammas:
         gammas = ["auto", *gammas]  # the default policy is always worth seeing
     draft_modes = lib.parse_draft_modes(draft_mode)

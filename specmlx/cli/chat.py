@@ -295,7 +295,7 @@ def run_command(line: str, session, settings: Settings, convo, totals, note) -> 
         show_totals(session, convo, totals, note)
     elif name == "set":
         try:
-            change_setting(arg, settings, convo, note, session.max_gamma)
+            change_setting(arg, settings, convo, note)
         except SpecmlxError as e:
             note(f"error: {e}", style="red")
     elif name == "draft":
@@ -311,9 +311,7 @@ def run_command(line: str, session, settings: Settings, convo, totals, note) -> 
     return True
 
 
-def change_setting(
-    arg: str, settings: Settings, convo: Conversation, note, max_gamma: int = 8
-) -> None:
+def change_setting(arg: str, settings: Settings, convo: Conversation, note) -> None:
     """`/set NAME VALUE`, validated the same way as the command-line flags."""
     from ..settings import check_settings, parse_gamma
 
@@ -339,10 +337,7 @@ def change_setting(
     if not value:
         raise SpecmlxError(f"/set {name} needs a value")
     if name == "gamma":
-        gamma = parse_gamma(value)
-        if gamma != "auto" and gamma > max_gamma:  # the Session's policy plans up to it
-            raise SpecmlxError(f"/set gamma: {gamma} is above the maximum, {max_gamma}")
-        settings.gamma = gamma
+        settings.gamma = parse_gamma(value)  # the flag's rule, its maximum included
     else:
         kind = float if name in ("temperature", "top_p") else int
         try:
