@@ -8,6 +8,10 @@ heads of specmlx-quantized checkpoints) with AVX-512/AVX2 and a thread pool. It 
 optional: when it is not built, was built for another mlx release, or the call is not one
 it handles (other bits or modes, a GPU stream), everything falls back to
 `mx.quantized_matmul`.
+
+Its 4-bit matmuls take x either as float32 or quantized to int8 per 32-block for integer
+dot products (`set_activations`, SPECMLX_ACTIVATIONS; the kernel README has the choice
+and its figures).
 """
 
 from __future__ import annotations
@@ -24,11 +28,16 @@ from types import ModuleType
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..errors import SpecmlxError
+
 NATIVE_DIR = Path(__file__).parent / "_native"
 BUILD_INFO = "_ext_build.json"
 GROUP_SIZES = (32, 64, 128)
 BITS = (4, 8)
 FLOAT_TYPES = (mx.float32, mx.bfloat16, mx.float16)
+ACTIVATIONS = ("int8", "float32")
+ENV_ACTIVATIONS = "SPECMLX_ACTIVATIONS"
+DEFAULT_ACTIVATIONS = "float32"
 
 
 def _load(
@@ -79,6 +88,25 @@ if _ext is None and _platform_expects_native() and os.environ.get("SPECMLX_NATIV
     )
 
 
+def _env_activations() -> tuple[str, str]:
+    """(the activations SPECMLX_ACTIVATIONS asks for, or the default; '' or why it is bad)."""
+    text = os.environ.get(ENV_ACTIVATIONS, "").strip()
+    if not text:
+        return DEFAULT_ACTIVATIONS, ""
+    if text not in ACTIVATIONS:
+        return DEFAULT_ACTIVATIONS, (
+            f"{ENV_ACTIVATIONS} must be one of {', '.join(ACTIVATIONS)}, got {text!r}"
+        )
+    return text, ""
+
+
+# Read once, here: a bad value is reported when a model is prepared (patch_model), as one
+# line from the CLI, rather than breaking `import specmlx`.
+_activations, _env_problem = _env_activations()
+if _ext is not None and hasattr(_ext, "set_activations"):  # a build from before int8 x lacks it
+    _ext.set_activations(_activations)
+
+
 def available() -> bool:
     """Whether the native kernel is built and loadable with the installed mlx."""
     return _ext is not None
@@ -100,11 +128,33 @@ def set_threads(n: int) -> None:
     _ext.set_threads(n)
 
 
+def activations() -> str:
+    """What the kernel's 4-bit matmuls multiply: 'int8' (x quantized per 32-block) or
+    'float32' x. 8-bit layers always take float32 x."""
+    if _ext is None or not hasattr(_ext, "activations"):
+        return "float32"
+    return _ext.activations()
+
+
+def set_activations(mode: str) -> None:
+    """Choose 'int8' or 'float32' activations for the 4-bit matmuls evaluated from now on."""
+    if mode not in ACTIVATIONS:
+        raise SpecmlxError(f"unknown activations {mode!r}; use one of {', '.join(ACTIVATIONS)}")
+    if _ext is None or not hasattr(_ext, "set_activations"):
+        raise RuntimeError(f"native kernel without int8 activations: {_reason or 'old build'}")
+    _ext.set_activations(mode)
+
+
 def describe() -> str:
     """One line for stats and benchmarks: which INT4 matmul runs, and how."""
     if _ext is None:
         return f"mx.quantized_matmul (native kernel unavailable: {_reason})"
-    return f"specmlx native INT4/INT8 ({_ext.isa()}, {_ext.threads()} threads)"
+    acts = activations()
+    if acts == "int8":
+        acts = f"int8 activations ({_ext.q8_kernel()})"
+    else:
+        acts = "float32 activations"
+    return f"specmlx native INT4/INT8 ({_ext.isa()}, {_ext.threads()} threads, {acts})"
 
 
 def supports(
@@ -235,6 +285,8 @@ def patch_model(module: nn.Module) -> int:
     """
     if _ext is None or mx.default_device() != mx.cpu:
         return 0
+    if _env_problem:
+        raise SpecmlxError(_env_problem)
     swaps = {
         nn.QuantizedLinear: NativeQuantizedLinear,
         nn.QuantizedEmbedding: NativeQuantizedEmbedding,

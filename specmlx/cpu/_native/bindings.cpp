@@ -42,4 +42,11 @@ NB_MODULE(_ext, m) {
   m.def("set_threads", &specmlx::set_threads, "n"_a, "Resize the kernel's thread pool.");
   m.def("isa", &specmlx::isa, "The instruction set the kernel runs with.");
   m.def("set_isa", &specmlx::set_isa, "name"_a, "Force 'avx512', 'avx2' or 'scalar' (tests).");
+  m.def("activations", &specmlx::activations, "What the 4-bit kernels multiply: 'int8' or 'float32' x.");
+  m.def(
+      "set_activations",
+      &specmlx::set_activations,
+      "name"_a,
+      "'int8': quantize x per 32-block for integer dot products; 'float32': x as is.");
+  m.def("q8_kernel", &specmlx::q8_kernel, "The int8-activation tiles the ISA runs.");
 }

@@ -1,4 +1,5 @@
-// INT4/INT8 x fp32 matrix kernels: y = x @ dequant(W)^T for MLX's affine 4/8-bit layouts.
+// INT4/INT8 x fp32 matrix kernels: y = x @ dequant(W)^T for MLX's affine 4/8-bit layouts,
+// and INT4 x int8 kernels for activations quantized per 32-block (kernels_q8.cpp).
 #pragma once
 
 #include <cstddef>
@@ -7,6 +8,9 @@
 // Functions built for one ISA (the file stays baseline x86-64; see detect_isa).
 #define SPECMLX_AVX2 __attribute__((target("avx2,fma")))
 #define SPECMLX_AVX512 __attribute__((target("avx512f,avx2,fma")))
+#define SPECMLX_AVX2_Q8 __attribute__((target("avx2,fma,f16c")))
+#define SPECMLX_VNNI512 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 
 namespace specmlx {
 
@@ -24,7 +28,15 @@ struct QmmJob {
   float* y;  // M x N
   int M, N, K, group_size, bits;
   int ldx;  // row stride of x, padded past K (see row_stride in qmm.cpp)
+  // int8 activations (4 bits only; x above is then unused), see quantize_row_q8:
+  const int8_t* xq = nullptr;  // M rows of ldq codes, in the q8 tiles' chunk order
+  const float* xd = nullptr;   // M rows of ldd: the scale of each 8 codes' 32-block
+  const float* xs = nullptr;   // M rows of ldg: per weight group, sum of scale * code
+  int ldq = 0, ldd = 0, ldg = 0;
 };
+
+// Codes x is quantized in: each 32-block of a row gets scale amax/127 and codes in -127..127.
+constexpr int kQ8Block = 32;
 
 // The best ISA this CPU (and OS) supports.
 Isa detect_isa();
@@ -36,5 +48,20 @@ int isa_lanes(Isa isa);
 
 // Output rows [n0, n1) for all M rows of x. Safe to call concurrently on disjoint ranges.
 void qmm_rows(Isa isa, const QmmJob& job, int n0, int n1);
+
+// The int8-activation path. Its tiles consume chunks of q8_chunk(isa) codes (1: k order);
+// q8 rows are padded to a whole number of chunks, and then to the strides below.
+int q8_chunk(Isa isa);
+const char* q8_kernel_name(Isa isa);  // what q8 tiles run under isa: vnni512, avx2, scalar
+int q8_row_bytes(int K, Isa isa);     // ldq
+int q8_row_lanes(int K, Isa isa);     // ldd: one scale per 8 codes
+int q8_row_groups(int K, int group_size);  // ldg
+
+// One row of float x into q (ldq bytes), d (ldd floats), s (ldg floats). A row's codes
+// depend on that row alone, so its result never depends on the rows quantized with it.
+void quantize_row_q8(const float* x, int K, int group_size, Isa isa, int8_t* q, float* d, float* s);
+
+// Output rows [n0, n1) for all M rows of the quantized x; 4 bits only.
+void qmm_rows_q8(Isa isa, const QmmJob& job, int n0, int n1);
 
 } // namespace specmlx

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <memory>
 #include <stdexcept>
+#include <type_traits>
 
 #include "kernels.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -18,6 +19,7 @@ namespace {
 constexpr size_t kMinWorkPerThread = size_t(3) << 21;
 
 std::atomic<Isa> g_isa{detect_isa()};
+std::atomic<Activations> g_activations{Activations::float32};
 
 bool is_float(mx::Dtype t) {
   return t == mx::float32 || t == mx::bfloat16 || t == mx::float16;
@@ -78,12 +80,43 @@ void store_as(const float* y, void* out, size_t n) {
 
 // Scratch that lives on MLX's CPU stream thread and only grows: prefill-sized x copies
 // would otherwise page-fault fresh memory on every call.
-float* scratch(std::unique_ptr<float[]>& buf, size_t& cap, size_t n) {
+template <typename T>
+T* scratch(std::unique_ptr<T[]>& buf, size_t& cap, size_t n) {
   if (n > cap) {
-    buf.reset(new float[n]);
+    buf.reset(new T[n]);
     cap = n;
   }
   return buf.get();
+}
+
+// The rows of x as float32, one at a time, into the int8 layout of kernels_q8.cpp.
+template <typename T>
+void quantize_x(const T* src, int M, int K, int gs, Isa isa, int8_t* q, float* d, float* s) {
+  thread_local std::unique_ptr<float[]> row_buf;
+  thread_local size_t row_cap = 0;
+  float* row = std::is_same_v<T, float> ? nullptr : scratch(row_buf, row_cap, size_t(K));
+  const size_t ldq = q8_row_bytes(K, isa), ldd = q8_row_lanes(K, isa), ldg = q8_row_groups(K, gs);
+  for (int m = 0; m < M; ++m) {
+    const T* x = src + size_t(m) * K;
+    const float* xf;
+    if constexpr (std::is_same_v<T, float>) {
+      xf = x;
+    } else {
+      std::transform(x, x + K, row, [](T v) { return static_cast<float>(v); });
+      xf = row;
+    }
+    quantize_row_q8(xf, K, gs, isa, q + m * ldq, d + m * ldd, s + m * ldg);
+  }
+}
+
+void quantize_any(const void* src, mx::Dtype t, int M, int K, int gs, Isa isa, int8_t* q, float* d, float* s) {
+  if (t == mx::float32) {
+    quantize_x(static_cast<const float*>(src), M, K, gs, isa, q, d, s);
+  } else if (t == mx::bfloat16) {
+    quantize_x(static_cast<const mx::bfloat16_t*>(src), M, K, gs, isa, q, d, s);
+  } else {
+    quantize_x(static_cast<const mx::float16_t*>(src), M, K, gs, isa, q, d, s);
+  }
 }
 
 struct Call {
@@ -105,21 +138,40 @@ void run(const Call& c) {
   const int ldx = row_stride(c.K);
   const size_t x_elems = size_t(c.M) * ldx, y_elems = size_t(c.M) * c.N;
 
-  float* xp = scratch(x_buf, x_cap, x_elems);
-  // 8-bit codes come out of memory in k order, so their x stays in k order too.
-  const int lanes = c.bits == 4 ? isa_lanes(isa) : 1;
-  pack_any(c.x, c.x_type, xp, c.M, c.K, ldx, c.group_size, lanes);
   float* y = c.out_type == mx::float32 ? static_cast<float*>(c.out) : scratch(y_buf, y_cap, y_elems);
-
-  const QmmJob job{
-      xp, c.w, c.scales, c.biases, c.stype, y, c.M, c.N, c.K, c.group_size, c.bits, ldx};
+  QmmJob job{
+      nullptr, c.w, c.scales, c.biases, c.stype, y, c.M, c.N, c.K, c.group_size, c.bits, ldx};
+  // The 8-bit head and embeddings keep float32 x: twice the weight bytes, they are
+  // memory-bound either way.
+  const bool q8 = c.bits == 4 && g_activations.load(std::memory_order_relaxed) == Activations::int8;
+  if (q8) {
+    thread_local std::unique_ptr<int8_t[]> q_buf;
+    thread_local size_t q_cap = 0;
+    job.ldq = q8_row_bytes(c.K, isa);
+    job.ldd = q8_row_lanes(c.K, isa);
+    job.ldg = q8_row_groups(c.K, c.group_size);
+    int8_t* q = scratch(q_buf, q_cap, size_t(c.M) * job.ldq);
+    // d and the group sums share x's float scratch: together they are smaller than x.
+    float* d = scratch(x_buf, x_cap, size_t(c.M) * (job.ldd + job.ldg));
+    float* s = d + size_t(c.M) * job.ldd;
+    quantize_any(c.x, c.x_type, c.M, c.K, c.group_size, isa, q, d, s);
+    job.xq = q;
+    job.xd = d;
+    job.xs = s;
+  } else {
+    float* xp = scratch(x_buf, x_cap, x_elems);
+    // 8-bit codes come out of memory in k order, so their x stays in k order too.
+    const int lanes = c.bits == 4 ? isa_lanes(isa) : 1;
+    pack_any(c.x, c.x_type, xp, c.M, c.K, ldx, c.group_size, lanes);
+    job.x = xp;
+  }
   auto& pool = ThreadPool::instance();
   const int pairs = (c.N + 1) / 2;
   const size_t work = size_t(c.N) * c.K * size_t(c.M + 2);
   const int n_threads = int(std::clamp<size_t>(work / kMinWorkPerThread, 1, std::min(pool.size(), pairs)));
   pool.run(n_threads, [&](int t) {
     const int p0 = int(int64_t(pairs) * t / n_threads), p1 = int(int64_t(pairs) * (t + 1) / n_threads);
-    qmm_rows(isa, job, 2 * p0, std::min(c.N, 2 * p1));
+    (q8 ? qmm_rows_q8 : qmm_rows)(isa, job, 2 * p0, std::min(c.N, 2 * p1));
   });
 
   if (c.out_type == mx::bfloat16) {
@@ -254,6 +306,21 @@ void set_isa(const std::string& name) {
     }
   }
   throw std::invalid_argument("[specmlx] unknown ISA " + name + "; use avx512, avx2 or scalar");
+}
+
+const char* activations() {
+  return g_activations.load() == Activations::int8 ? "int8" : "float32";
+}
+
+void set_activations(const std::string& name) {
+  if (name != "int8" && name != "float32") {
+    throw std::invalid_argument("[specmlx] unknown activations " + name + "; use int8 or float32");
+  }
+  g_activations.store(name == "int8" ? Activations::int8 : Activations::float32);
+}
+
+const char* q8_kernel() {
+  return q8_kernel_name(g_isa.load());
 }
 
 } // namespace specmlx

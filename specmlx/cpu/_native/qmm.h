@@ -49,4 +49,11 @@ void set_threads(int n);
 const char* isa();
 void set_isa(const std::string& name);  // "avx512" | "avx2" | "scalar"; must be supported
 
+// What the 4-bit kernels multiply: x as float32, or x quantized to int8 per 32-block
+// (kernels_q8.cpp). Read when a matmul is evaluated, like the ISA.
+enum class Activations { float32, int8 };
+const char* activations();
+void set_activations(const std::string& name);  // "int8" | "float32"
+const char* q8_kernel();  // the int8 tiles the current ISA runs: vnni512, avx2 or scalar
+
 } // namespace specmlx

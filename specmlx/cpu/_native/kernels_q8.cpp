@@ -1,0 +1,414 @@
+// INT4 weights x int8 activations: y = x @ dequant(W)^T with each 32-block of a row of x
+// quantized to int8 codes q and a float scale d (x ~ d * q), so that for one weight group
+// (scale s, bias b, 4-bit codes c):
+//
+//   sum_k (s * c_k + b) * x_k  ~  s * sum_blocks d * (sum_k c_k * q_k)  +  b * sum_blocks d * sum_k q_k
+//
+// The inner sums are exact integer dot products (u8 codes 0..15 x s8 codes: vpdpbusd on
+// AVX-512 VNNI, maddubs + madd on AVX2); the second term is a short float dot over groups,
+// with sum(d * q) precomputed per group when x is quantized (quantize_row_q8).
+//
+// Layout: a weight row is K/2 bytes, byte i holding codes 2i (low nibble) and 2i + 1 (high).
+// The tiles take a chunk of bytes at a time (64 = 128 codes on AVX-512, 32 on AVX2), mask
+// the low nibbles into one register and the high nibbles into another; x is packed so that
+// the same chunk of q holds the even-k codes, then the odd-k ones. An int32 lane then sums
+// the products for 8 consecutive k, whose scales are known: one d per lane (stored per lane
+// in xd, so any block size <= 8 would cost nothing more) and one s per weight group.
+//
+// Every row of x runs the same operations in the same order whatever the tile's other rows
+// are, so a row's result does not depend on M, nor (rows are split, sums are not) on threads.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <utility>
+
+#include "kernels.h"
+#include "mlx/types/half_types.h"
+
+namespace specmlx {
+namespace {
+
+// q8 rows kept hot in L2 while a thread sweeps its output rows (bytes; 1 MiB).
+constexpr size_t kL2Bytes = size_t(1) << 20;
+
+inline float scale_at(const void* p, size_t i, ScaleType t) {
+  switch (t) {
+    case ScaleType::f32:
+      return static_cast<const float*>(p)[i];
+    case ScaleType::bf16:
+      return static_cast<float>(static_cast<const mlx::core::bfloat16_t*>(p)[i]);
+    case ScaleType::f16:
+      return static_cast<float>(static_cast<const mlx::core::float16_t*>(p)[i]);
+  }
+  return 0.0f;
+}
+
+// `count` (<= L) scales or biases from index i on, zero past them: the tail of a row must
+// not be read past the array's end.
+template <int L>
+inline std::array<float, L> scales_from(const void* p, size_t i, ScaleType t, int count) {
+  std::array<float, L> out{};
+  if (t == ScaleType::f32 && count == L) {
+    std::copy_n(static_cast<const float*>(p) + i, L, out.begin());
+  } else {
+    for (int l = 0; l < count; ++l) {
+      out[l] = scale_at(p, i + l, t);
+    }
+  }
+  return out;
+}
+
+using TileFn = void (*)(const QmmJob&, int n, int rows, int m0);
+
+bool has_vnni512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl");
+}
+
+// The q8 tiles that run under isa: AVX-512 without VNNI (Skylake-X) takes the AVX2 ones.
+Isa q8_isa(Isa isa) {
+  static const bool vnni = has_vnni512();
+  return isa == Isa::avx512 && !vnni ? Isa::avx2 : isa;
+}
+
+// ---------------------------------------------------------------------------------------
+// Scalar: k order, one lane of 8 codes at a time, as the vector tiles sum them.
+constexpr int kScalarMaxRows = 4;
+
+void tile_q8_scalar(const QmmJob& j, int n, int rows, int m0, int mt) {
+  const int bytes = j.K / 2, groups = j.K / j.group_size;
+  for (int r = 0; r < rows; ++r) {
+    const uint8_t* w = reinterpret_cast<const uint8_t*>(j.w) + size_t(n + r) * bytes;
+    const size_t srow = size_t(n + r) * groups;
+    for (int m = 0; m < mt; ++m) {
+      const int8_t* q = j.xq + size_t(m0 + m) * j.ldq;
+      const float* d = j.xd + size_t(m0 + m) * j.ldd;
+      const float* xs = j.xs + size_t(m0 + m) * j.ldg;
+      float acc = 0.0f;
+      for (int k0 = 0; k0 < j.K; k0 += 8) {
+        int dot = 0;
+        for (int k = k0; k < k0 + 8; ++k) {
+          dot += int((w[k / 2] >> (4 * (k & 1))) & 15) * q[k];
+        }
+        acc += float(dot) * (scale_at(j.scales, srow + k0 / j.group_size, j.stype) * d[k0 / 8]);
+      }
+      for (int g = 0; g < groups; ++g) {
+        acc += scale_at(j.biases, srow + g, j.stype) * xs[g];
+      }
+      j.y[size_t(m0 + m) * j.N + n + r] = acc;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// AVX-512 VNNI: a chunk is 64 bytes (128 codes, 1-4 groups). Per row of x and output row:
+// two vpdpbusd, one convert, one multiply (s * d) and one FMA per 128 weights. Two output
+// rows share every x load, MT rows of x share every decoded chunk.
+constexpr int kVnniMaxRows = 8;  // 2 * 8 accumulators + 4 code registers + temporaries
+
+// Lane l of a chunk sums codes 8l..8l+7: its scale is the chunk's group 8l/GS.
+template <int GS>
+SPECMLX_VNNI512 inline __m512 lane_scales512(const void* p, size_t i, ScaleType t, int count) {
+  if constexpr (GS == 128) {
+    return _mm512_set1_ps(scale_at(p, i, t));
+  } else if constexpr (GS == 64) {
+    const float hi = count > 1 ? scale_at(p, i + 1, t) : 0.0f;
+    return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(scale_at(p, i, t)), _mm512_set1_ps(hi));
+  } else {
+    const auto s = scales_from<4>(p, i, t, count);
+    const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(s.data())));
+  }
+}
+
+template <int MT, int GS>
+SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n, int rows, int m0) {
+  constexpr int kCodes = 128, kBytes = kCodes / 2, kGroups = kCodes / GS;
+  const int bytes = j.K / 2, groups = j.K / GS;
+  const int chunks = (j.K + kCodes - 1) / kCodes;
+  const int tail = bytes - (chunks - 1) * kBytes;  // bytes in the last chunk, 16..64
+  const __mmask64 tail_mask = tail == kBytes ? ~__mmask64(0) : (__mmask64(1) << tail) - 1;
+  const int n1 = n + rows - 1;  // a lone last row is computed twice, stored once
+  const uint8_t* w0 = reinterpret_cast<const uint8_t*>(j.w) + size_t(n) * bytes;
+  const uint8_t* w1 = reinterpret_cast<const uint8_t*>(j.w) + size_t(n1) * bytes;
+  const size_t s0 = size_t(n) * groups, s1 = size_t(n1) * groups;
+  const int8_t* xq = j.xq + size_t(m0) * j.ldq;
+  const float* xd = j.xd + size_t(m0) * j.ldd;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
+
+  __m512 acc0[MT], acc1[MT];
+  for (int m = 0; m < MT; ++m) {
+    acc0[m] = _mm512_setzero_ps();
+    acc1[m] = _mm512_setzero_ps();
+  }
+  for (int c = 0; c < chunks; ++c) {
+    _mm_prefetch(reinterpret_cast<const char*>(w0 + (c + 4) * kBytes), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w1 + (c + 4) * kBytes), _MM_HINT_T0);
+    const __mmask64 mask = c + 1 < chunks ? ~__mmask64(0) : tail_mask;
+    const __m512i b0 = _mm512_maskz_loadu_epi8(mask, w0 + c * kBytes);
+    const __m512i b1 = _mm512_maskz_loadu_epi8(mask, w1 + c * kBytes);
+    const __m512i lo0 = _mm512_and_si512(b0, low4);
+    const __m512i hi0 = _mm512_and_si512(_mm512_srli_epi16(b0, 4), low4);
+    const __m512i lo1 = _mm512_and_si512(b1, low4);
+    const __m512i hi1 = _mm512_and_si512(_mm512_srli_epi16(b1, 4), low4);
+    const int g0 = c * kGroups, count = std::min(kGroups, groups - g0);
+    const __m512 sc0 = lane_scales512<GS>(j.scales, s0 + g0, j.stype, count);
+    const __m512 sc1 = lane_scales512<GS>(j.scales, s1 + g0, j.stype, count);
+    for (int m = 0; m < MT; ++m) {
+      const int8_t* q = xq + size_t(m) * j.ldq + c * kCodes;
+      const __m512i xl = _mm512_loadu_si512(q);
+      const __m512i xh = _mm512_loadu_si512(q + kBytes);
+      const __m512 d = _mm512_loadu_ps(xd + size_t(m) * j.ldd + c * 16);
+      const __m512i i0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo0, xl), hi0, xh);
+      const __m512i i1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo1, xl), hi1, xh);
+      acc0[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(sc0, d), acc0[m]);
+      acc1[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(sc1, d), acc1[m]);
+    }
+  }
+  // The bias term: b . (sum of d * q per group), 16 groups per step; xs is zero-padded.
+  for (int g = 0; g < groups; g += 16) {
+    const int count = std::min(16, groups - g);
+    const auto b0 = scales_from<16>(j.biases, s0 + g, j.stype, count);
+    const auto b1 = scales_from<16>(j.biases, s1 + g, j.stype, count);
+    const __m512 bv0 = _mm512_loadu_ps(b0.data()), bv1 = _mm512_loadu_ps(b1.data());
+    for (int m = 0; m < MT; ++m) {
+      const __m512 xs = _mm512_loadu_ps(j.xs + size_t(m0 + m) * j.ldg + g);
+      acc0[m] = _mm512_fmadd_ps(bv0, xs, acc0[m]);
+      acc1[m] = _mm512_fmadd_ps(bv1, xs, acc1[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    float* y = j.y + size_t(m0 + m) * j.N;
+    y[n] = _mm512_reduce_add_ps(acc0[m]);
+    if (rows == 2) {
+      y[n1] = _mm512_reduce_add_ps(acc1[m]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// AVX2: a chunk is 32 bytes (64 codes). maddubs multiplies u8 codes by s8 codes and adds
+// neighbours into int16 (at most 2 * 15 * 127, and low + high nibbles at most twice that:
+// no saturation), madd with ones adds neighbouring int16 into the same 8-code int32 lanes
+// as vpdpbusd. Only 16 ymm registers: 2 * 4 accumulators.
+constexpr int kAvx2MaxRows = 4;
+
+template <int GS>
+SPECMLX_AVX2_Q8 inline __m256 lane_scales256(const void* p, size_t i, ScaleType t, int count) {
+  if constexpr (GS == 32) {
+    const float hi = count > 1 ? scale_at(p, i + 1, t) : 0.0f;
+    return _mm256_setr_m128(_mm_set1_ps(scale_at(p, i, t)), _mm_set1_ps(hi));
+  } else {
+    return _mm256_set1_ps(scale_at(p, i, t));
+  }
+}
+
+SPECMLX_AVX2_Q8 inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+SPECMLX_AVX2_Q8 inline __m256i load_chunk32(const uint8_t* p, bool full) {
+  const __m128i low = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)) : _mm256_zextsi128_si256(low);
+}
+
+template <int MT, int GS>
+SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n, int rows, int m0) {
+  constexpr int kCodes = 64, kBytes = kCodes / 2;
+  const int bytes = j.K / 2, groups = j.K / GS;
+  const int chunks = (j.K + kCodes - 1) / kCodes;
+  const bool full_tail = bytes - (chunks - 1) * kBytes == kBytes;  // else 16 bytes
+  const int n1 = n + rows - 1;
+  const uint8_t* w0 = reinterpret_cast<const uint8_t*>(j.w) + size_t(n) * bytes;
+  const uint8_t* w1 = reinterpret_cast<const uint8_t*>(j.w) + size_t(n1) * bytes;
+  const size_t s0 = size_t(n) * groups, s1 = size_t(n1) * groups;
+  const int8_t* xq = j.xq + size_t(m0) * j.ldq;
+  const float* xd = j.xd + size_t(m0) * j.ldd;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+
+  __m256 acc0[MT], acc1[MT];
+  for (int m = 0; m < MT; ++m) {
+    acc0[m] = _mm256_setzero_ps();
+    acc1[m] = _mm256_setzero_ps();
+  }
+  for (int c = 0; c < chunks; ++c) {
+    const bool full = c + 1 < chunks || full_tail;
+    const __m256i b0 = load_chunk32(w0 + c * kBytes, full);
+    const __m256i b1 = load_chunk32(w1 + c * kBytes, full);
+    const __m256i lo0 = _mm256_and_si256(b0, low4);
+    const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(b0, 4), low4);
+    const __m256i lo1 = _mm256_and_si256(b1, low4);
+    const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(b1, 4), low4);
+    const int g0 = c * kCodes / GS, count = std::min(std::max(1, kCodes / GS), groups - g0);
+    const __m256 sc0 = lane_scales256<GS>(j.scales, s0 + g0, j.stype, count);
+    const __m256 sc1 = lane_scales256<GS>(j.scales, s1 + g0, j.stype, count);
+    for (int m = 0; m < MT; ++m) {
+      const int8_t* q = xq + size_t(m) * j.ldq + c * kCodes;
+      const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+      const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + kBytes));
+      const __m256 d = _mm256_loadu_ps(xd + size_t(m) * j.ldd + c * 8);
+      const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xl), _mm256_maddubs_epi16(hi0, xh));
+      const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xl), _mm256_maddubs_epi16(hi1, xh));
+      const __m256i i0 = _mm256_madd_epi16(p0, ones), i1 = _mm256_madd_epi16(p1, ones);
+      acc0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(sc0, d), acc0[m]);
+      acc1[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(sc1, d), acc1[m]);
+    }
+  }
+  for (int g = 0; g < groups; g += 8) {
+    const int count = std::min(8, groups - g);
+    const auto b0 = scales_from<8>(j.biases, s0 + g, j.stype, count);
+    const auto b1 = scales_from<8>(j.biases, s1 + g, j.stype, count);
+    const __m256 bv0 = _mm256_loadu_ps(b0.data()), bv1 = _mm256_loadu_ps(b1.data());
+    for (int m = 0; m < MT; ++m) {
+      const __m256 xs = _mm256_loadu_ps(j.xs + size_t(m0 + m) * j.ldg + g);
+      acc0[m] = _mm256_fmadd_ps(bv0, xs, acc0[m]);
+      acc1[m] = _mm256_fmadd_ps(bv1, xs, acc1[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    float* y = j.y + size_t(m0 + m) * j.N;
+    y[n] = hsum256(acc0[m]);
+    if (rows == 2) {
+      y[n1] = hsum256(acc1[m]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Tables of instantiations: [group size 32/64/128][MT - 1].
+template <int MT, int GS>
+void run_vnni512(const QmmJob& j, int n, int rows, int m0) {
+  tile_q8_vnni512<MT, GS>(j, n, rows, m0);
+}
+template <int MT, int GS>
+void run_avx2(const QmmJob& j, int n, int rows, int m0) {
+  tile_q8_avx2<MT, GS>(j, n, rows, m0);
+}
+
+template <int GS, int... MT>
+constexpr std::array<TileFn, sizeof...(MT)> vnni512_tiles(std::integer_sequence<int, MT...>) {
+  return {&run_vnni512<MT + 1, GS>...};
+}
+template <int GS, int... MT>
+constexpr std::array<TileFn, sizeof...(MT)> avx2_tiles(std::integer_sequence<int, MT...>) {
+  return {&run_avx2<MT + 1, GS>...};
+}
+
+TileFn pick_vnni512(int group_size, int mt) {
+  using Seq = std::make_integer_sequence<int, kVnniMaxRows>;
+  static constexpr auto g32 = vnni512_tiles<32>(Seq{});
+  static constexpr auto g64 = vnni512_tiles<64>(Seq{});
+  static constexpr auto g128 = vnni512_tiles<128>(Seq{});
+  return (group_size == 32 ? g32 : group_size == 64 ? g64 : g128)[mt - 1];
+}
+
+TileFn pick_avx2(int group_size, int mt) {
+  using Seq = std::make_integer_sequence<int, kAvx2MaxRows>;
+  static constexpr auto g32 = avx2_tiles<32>(Seq{});
+  static constexpr auto g64 = avx2_tiles<64>(Seq{});
+  static constexpr auto g128 = avx2_tiles<128>(Seq{});
+  return (group_size == 32 ? g32 : group_size == 64 ? g64 : g128)[mt - 1];
+}
+
+int round_up(int v, int to) {
+  return (v + to - 1) / to * to;
+}
+
+} // namespace
+
+int q8_chunk(Isa isa) {
+  switch (q8_isa(isa)) {
+    case Isa::avx512:
+      return 128;
+    case Isa::avx2:
+      return 64;
+    case Isa::scalar:
+      return 1;
+  }
+  return 1;
+}
+
+const char* q8_kernel_name(Isa isa) {
+  switch (q8_isa(isa)) {
+    case Isa::avx512:
+      return "vnni512";
+    case Isa::avx2:
+      return "avx2";
+    case Isa::scalar:
+      return "scalar";
+  }
+  return "?";
+}
+
+// Rows padded to whole chunks, plus one cache line: real rows are multiples of 1 KiB, and
+// the tiles read up to 8 of them at the same offset (see row_stride in qmm.cpp).
+int q8_row_bytes(int K, Isa) {
+  return round_up(K, 128) + 64;
+}
+
+int q8_row_lanes(int K, Isa isa) {
+  return q8_row_bytes(K, isa) / 8;
+}
+
+int q8_row_groups(int K, int group_size) {
+  return round_up(K / group_size, 16);  // the bias step reads 16 groups at a time
+}
+
+void quantize_row_q8(const float* x, int K, int group_size, Isa isa, int8_t* q, float* d, float* s) {
+  const int chunk = q8_chunk(isa);
+  std::fill_n(q, q8_row_bytes(K, isa), int8_t(0));
+  std::fill_n(d, q8_row_lanes(K, isa), 0.0f);
+  std::fill_n(s, q8_row_groups(K, group_size), 0.0f);
+  for (int k0 = 0; k0 < K; k0 += kQ8Block) {
+    float amax = 0.0f;
+    for (int k = k0; k < k0 + kQ8Block; ++k) {
+      amax = std::max(amax, std::fabs(x[k]));
+    }
+    const float scale = amax / 127.0f, inv = amax > 0.0f ? 1.0f / scale : 0.0f;
+    int sum = 0;
+    for (int k = k0; k < k0 + kQ8Block; ++k) {
+      // cvtss2si rounds to nearest even (the default MXCSR mode), no libm call.
+      const int code = std::clamp(_mm_cvtss_si32(_mm_set_ss(x[k] * inv)), -127, 127);
+      const int r = k % chunk, base = k - r;
+      q[chunk == 1 ? k : base + (r & 1) * (chunk / 2) + r / 2] = int8_t(code);
+      sum += code;
+    }
+    std::fill_n(d + k0 / 8, kQ8Block / 8, scale);
+    s[k0 / group_size] += scale * float(sum);
+  }
+}
+
+void qmm_rows_q8(Isa isa, const QmmJob& j, int n0, int n1) {
+  const Isa tiles = q8_isa(isa);
+  const int tile_rows = tiles == Isa::avx512 ? kVnniMaxRows : tiles == Isa::avx2 ? kAvx2MaxRows : kScalarMaxRows;
+  const size_t row_bytes = size_t(j.ldq) + 4 * size_t(j.ldd + j.ldg);
+  const int block = std::max<int>(tile_rows, int(kL2Bytes / row_bytes) / tile_rows * tile_rows);
+  for (int mb = 0; mb < j.M; mb += block) {
+    const int mb_end = std::min(j.M, mb + block);
+    for (int n = n0; n < n1; n += 2) {
+      const int rows = std::min(2, n1 - n);
+      for (int m0 = mb; m0 < mb_end; m0 += tile_rows) {
+        const int mt = std::min(tile_rows, mb_end - m0);
+        switch (tiles) {
+          case Isa::avx512:
+            pick_vnni512(j.group_size, mt)(j, n, rows, m0);
+            break;
+          case Isa::avx2:
+            pick_avx2(j.group_size, mt)(j, n, rows, m0);
+            break;
+          case Isa::scalar:
+            tile_q8_scalar(j, n, rows, m0, mt);
+            break;
+        }
+      }
+    }
+  }
+}
+
+} // namespace specmlx

@@ -1,0 +1,179 @@
+"""The native kernel's int8-activation path: what it computes, independence of batch and
+threads, and the mode switch."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from specmlx.cpu import native
+from specmlx.errors import SpecmlxError
+
+pytestmark = pytest.mark.skipif(
+    not native.available(), reason=f"native kernel not available: {native.reason()}"
+)
+ISAS = ["scalar", "avx2", "avx512"]
+GROUP_SIZES = [32, 64, 128]
+
+
+def quantized(n, k, group_size=64, bits=4, dtype=mx.float32, seed=0):
+    mx.random.seed(seed)
+    w, scales, biases = mx.quantize(mx.random.normal((n, k)), group_size=group_size, bits=bits)
+    return w, scales.astype(dtype), biases.astype(dtype)
+
+
+@pytest.fixture
+def isas():
+    """Every ISA this CPU has; the best ISA and the activations mode restored afterwards."""
+    best, mode = native._ext.isa(), native.activations()
+    yield ISAS[: ISAS.index(best) + 1]
+    native._ext.set_isa(best)
+    native.set_activations(mode)
+
+
+def int8_matmul(x, w, s, b, group_size, isa):
+    native._ext.set_isa(isa)
+    native.set_activations("int8")
+    out = native.quantized_matmul(x, w, s, b, group_size)
+    mx.eval(out)
+    return out
+
+
+def emulated(x, w, s, b, group_size):
+    """What the int8 path means, in float64: each 32-block of x replaced by scale * code,
+    scale = max|x| / 127, code = x / scale rounded to nearest even (float32 arithmetic, as the
+    kernel does), then multiplied exactly by the dequantized weights."""
+    xf = np.array(x.astype(mx.float32)).reshape(-1, 32)
+    amax = np.abs(xf).max(axis=1, keepdims=True)
+    scale = amax / np.float32(127)
+    inv = np.where(amax > 0, np.float32(1) / np.where(scale > 0, scale, 1), 0).astype(np.float32)
+    codes = np.clip(np.rint(xf * inv), -127, 127)
+    xq = (codes.astype(np.float64) * scale).reshape(x.shape)
+    dense = mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=group_size)
+    return xq @ np.array(dense, np.float64).T
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.abs(a - b).max() / max(np.abs(b).max(), 1e-6)
+
+
+@pytest.mark.parametrize("group_size", GROUP_SIZES)
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 17])
+def test_int8_is_the_product_with_quantized_x(m, group_size, isas):
+    # K = 3 groups: with 32 that is 96 codes, a partial chunk for both vector paths
+    for k in (3 * group_size, 1536):
+        w, s, b = quantized(37, k, group_size)  # odd N: a lone last row
+        x = mx.random.normal((m, k), key=mx.random.key(m))
+        want = emulated(x, w, s, b, group_size)
+        for isa in isas:
+            out = int8_matmul(x, w, s, b, group_size, isa)
+            assert out.shape == (m, 37) and out.dtype == mx.float32
+            assert rel_err(out, want) < 2e-5, (isa, k)  # float32 sums of exact products
+
+
+@pytest.mark.parametrize("group_size", GROUP_SIZES)
+def test_int8_is_close_to_float_activations(group_size, isas):
+    # Gaussian x and weights: int8 x costs well under 1% of the output's scale
+    w, s, b = quantized(64, 1536, group_size)
+    x = mx.random.normal((4, 1536))
+    ref = np.array(mx.quantized_matmul(x, w, s, b, transpose=True, group_size=group_size))
+    for isa in isas:
+        out = np.array(int8_matmul(x, w, s, b, group_size, isa))
+        assert rel_err(out, ref) < 2e-2, isa
+        assert np.sqrt(((out - ref) ** 2).mean() / (ref**2).mean()) < 1e-2, isa
+
+
+@pytest.mark.parametrize("group_size", GROUP_SIZES)
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(group_size, isas):
+    w, s, b = quantized(29, 4 * group_size, group_size)
+    x = mx.random.normal((7, 4 * group_size)) * mx.arange(1, 8).reshape(7, 1)  # varied scales
+    for isa in isas:
+        together = int8_matmul(x, w, s, b, group_size, isa)
+        for i in (0, 3, 6):
+            alone = int8_matmul(x[i : i + 1], w, s, b, group_size, isa)
+            assert mx.array_equal(alone, together[i : i + 1]).item(), (isa, i)
+        pair = int8_matmul(x[2:4], w, s, b, group_size, isa)
+        assert mx.array_equal(pair, together[2:4]).item(), isa
+
+
+def test_rows_past_a_cache_block_match_too(isas):
+    # K = 8960 (the 1.5B's down projection): x is cut into L2 blocks of well under 80 rows
+    w, s, b = quantized(6, 8960)
+    x = mx.random.normal((80, 8960))
+    for isa in isas:
+        together = int8_matmul(x, w, s, b, 64, isa)
+        for i in (0, 75, 79):
+            alone = int8_matmul(x[i : i + 1], w, s, b, 64, isa)
+            assert mx.array_equal(alone, together[i : i + 1]).item(), (isa, i)
+
+
+def test_int8_threads_agree(isas):
+    w, s, b = quantized(1030, 2048)  # big enough to be split across threads
+    x = mx.random.normal((3, 2048))
+    before = native.threads()
+    try:
+        for isa in isas:
+            native.set_threads(1)
+            one = int8_matmul(x, w, s, b, 64, isa)
+            for n in (3, 2):
+                native.set_threads(n)
+                assert mx.array_equal(one, int8_matmul(x, w, s, b, 64, isa)).item(), (isa, n)
+    finally:
+        native.set_threads(before)
+
+
+@pytest.mark.parametrize("x_dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("scale_dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_int8_dtypes(x_dtype, scale_dtype, isas):
+    w, s, b = quantized(40, 256, dtype=scale_dtype)
+    x = mx.random.normal((3, 256)).astype(x_dtype)
+    want = emulated(x, w, s, b, 64)
+    expected = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64).dtype
+    for isa in isas:
+        out = int8_matmul(x, w, s, b, 64, isa)
+        assert out.dtype == expected, isa
+        assert rel_err(out.astype(mx.float32), want) < (2e-5 if expected == mx.float32 else 1e-2)
+
+
+def test_each_mode_is_selectable(isas):
+    w, s, b = quantized(48, 512)
+    x = mx.random.normal((3, 512))
+    ref = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64)
+    native.set_activations("float32")
+    assert native.activations() == "float32" and "float32 activations" in native.describe()
+    fp32 = native.quantized_matmul(x, w, s, b, 64)
+    assert rel_err(fp32, ref) < 2e-5
+    native.set_activations("int8")
+    assert native.activations() == "int8" and "int8 activations" in native.describe()
+    int8 = native.quantized_matmul(x, w, s, b, 64)
+    assert rel_err(int8, emulated(x, w, s, b, 64)) < 2e-5
+    assert not mx.array_equal(int8, fp32).item()
+    with pytest.raises(SpecmlxError, match="unknown activations 'int4'"):
+        native.set_activations("int4")
+
+
+def test_8bit_layers_keep_float_activations(isas):
+    w, s, b = quantized(40, 256, bits=8)
+    x = mx.random.normal((3, 256))
+    native.set_activations("float32")
+    fp32 = native.quantized_matmul(x, w, s, b, 64, 8)
+    native.set_activations("int8")
+    assert mx.array_equal(native.quantized_matmul(x, w, s, b, 64, 8), fp32).item()
+
+
+def test_env_var_chooses_the_mode(monkeypatch):
+    monkeypatch.setenv(native.ENV_ACTIVATIONS, "int8")
+    assert native._env_activations() == ("int8", "")
+    monkeypatch.setenv(native.ENV_ACTIVATIONS, "")
+    assert native._env_activations() == (native.DEFAULT_ACTIVATIONS, "")
+    monkeypatch.setenv(native.ENV_ACTIVATIONS, "fp8")
+    mode, problem = native._env_activations()
+    assert mode == native.DEFAULT_ACTIVATIONS
+    assert problem == "SPECMLX_ACTIVATIONS must be one of int8, float32, got 'fp8'"
+
+
+def test_a_bad_env_var_stops_model_preparation(monkeypatch):
+    monkeypatch.setattr(native, "_env_problem", "SPECMLX_ACTIVATIONS must be one of ...")
+    with pytest.raises(SpecmlxError, match="SPECMLX_ACTIVATIONS"):
+        native.patch_model(nn.QuantizedLinear(128, 16))
