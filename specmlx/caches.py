@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -221,12 +222,25 @@ def _cut(c: RotatingKVCache, n: int) -> None:
 PREFILL_STEP = 512  # tokens per prefill chunk: bounds the activations' memory
 
 
-def prefill(model: Model, cache: list, tokens: list[int], step: int = PREFILL_STEP) -> None:
-    """Run `tokens` through `model` into `cache`, in chunks so memory stays bounded."""
+def prefill(
+    model: Model,
+    cache: list,
+    tokens: list[int],
+    step: int = PREFILL_STEP,
+    progress: Callable[[int, int], None] | None = None,
+) -> None:
+    """Run `tokens` through `model` into `cache`, in chunks so memory stays bounded.
+
+    `progress` is called with (tokens done, tokens in all): before the first chunk and
+    after each one."""
+    if progress is not None and tokens:
+        progress(0, len(tokens))
     for start in range(0, len(tokens), step):
         chunk = mx.array(tokens[start : start + step], mx.uint32)[None]
         model.module(chunk, cache=cache)
         mx.eval([c.state for c in cache])
+        if progress is not None:
+            progress(min(start + step, len(tokens)), len(tokens))
 
 
 def timed_pass(model: Model, cache: list, tokens: list[int]) -> float:
@@ -266,12 +280,19 @@ def align_cache(model: Model, cache: list, cached: list[int], tokens: list[int])
     return keep
 
 
-def sync_cache(model: Model, cache: list, cached: list[int], tokens: list[int]) -> int:
+def sync_cache(
+    model: Model,
+    cache: list,
+    cached: list[int],
+    tokens: list[int],
+    progress: Callable[[int, int], None] | None = None,
+) -> int:
     """Make `cache` hold exactly `tokens`, reusing the longest prefix it already holds.
 
-    Returns how many tokens had to be processed (the prefill of this call).
+    Returns how many tokens had to be processed (the prefill of this call, which
+    `progress` follows: see `prefill`).
     """
     keep = align_cache(model, cache, cached, tokens)
-    prefill(model, cache, tokens[keep:])
+    prefill(model, cache, tokens[keep:], progress=progress)
     cached.extend(tokens[keep:])
     return len(tokens) - keep

@@ -11,7 +11,7 @@ against, sampled through the very same code (so greedy outputs match exactly).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import mlx.core as mx
@@ -31,7 +31,7 @@ from .loading import Model, backend, check_pair
 from .policy import AutoGamma, FixedGamma, Policy, Round, load_costs, save_costs
 from .policy.choice import Scheduler
 from .sampling import SamplingParams
-from .settings import check_seed, check_settings
+from .settings import MAX_GAMMA, check_seed, check_settings
 from .verify import make_sampler, make_verifier
 
 
@@ -154,7 +154,7 @@ class Session:
     An interrupted call leaves the caches consistent for the next one.
     """
 
-    def __init__(self, target: Model, draft: Model | None = None, max_gamma: int = 8):
+    def __init__(self, target: Model, draft: Model | None = None, max_gamma: int = MAX_GAMMA):
         if draft is not None:
             check_pair(target, draft)
         self.target = target
@@ -242,6 +242,7 @@ def generate(
     draft_mode: str = "model",
     seed: int = 0,
     session: Session | None = None,
+    on_prefill: Callable[[int, int], None] | None = None,
 ) -> Generation:
     """Generate from `target`, speculatively when a `draft` is given.
 
@@ -254,6 +255,8 @@ def generate(
     acceptance (never slower than plain decoding by more than the probes it takes).
     draft_mode: "model" (the draft model), "lookup" (prompt n-gram lookup, no draft
     model needed) or "auto" (lookup when the context has a match, else the model).
+    on_prefill: called with (tokens done, tokens in all) as the target takes the prompt,
+    chunk by chunk (see caches.prefill); not called when the caches already hold it.
     """
     params, num_draft = check_settings(max_tokens, temperature, top_p, top_k, num_draft, draft_mode)
     check_seed(seed)
@@ -271,7 +274,9 @@ def generate(
     def steps(gen: Generation) -> Iterator[Step]:
         gen.stats.gamma, gen.stats.draft_mode = num_draft, draft_mode
         try:
-            yield from _decode(session, ids, params, max_tokens, seed, policy, drafters, gen)
+            yield from _decode(
+                session, ids, params, max_tokens, seed, policy, drafters, gen, on_prefill
+            )
         except GeneratorExit:  # closed between steps: the caches hold what was emitted
             raise
         except BaseException:
@@ -314,11 +319,12 @@ def _decode(
     policy: Policy,
     drafters: list[Drafter],
     gen: Generation,
+    on_prefill: Callable[[int, int], None] | None = None,
 ) -> Iterator[Step]:
     target, cache, cached, stats = session.target, session.cache, session.cached, gen.stats
     stats.prompt_tokens = len(ids)
     start = time.perf_counter()
-    stats.prefill_tokens = sync_cache(target, cache, cached, ids[:-1])
+    stats.prefill_tokens = sync_cache(target, cache, cached, ids[:-1], on_prefill)
     for drafter in drafters:
         drafter.start(ids)
     stats.prefill_time = time.perf_counter() - start

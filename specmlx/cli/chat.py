@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields, replace
 from rich.console import Console
 
 from ..errors import SpecmlxError
-from . import app, options, report, stream
+from . import app, options, progress, report, stream
 
 HELP = """\
 /help                  this list
@@ -109,7 +109,7 @@ def chat(
     settings = Settings(
         temperature, top_p, top_k, num_draft, max_tokens, seed, drafter is not None, draft_mode
     )
-    shown = Shown(stops, quiet, verbose)
+    shown = Shown(stops, quiet, verbose, err)
     convo = Conversation(system=system)
     totals = Totals()
     ask = terminal_input() if sys.stdin.isatty() else piped_input
@@ -138,11 +138,12 @@ def chat(
 @dataclass
 class Shown:
     """How replies are shown: cut at stop strings; with stats (not --quiet); with a note
-    per round (--verbose)."""
+    per round (--verbose); a long prefill's progress on `err` where it is a terminal."""
 
     stops: list[str]
     quiet: bool = False
     verbose: bool = False
+    err: Console | None = None
 
 
 def reply(
@@ -163,22 +164,24 @@ def reply(
             style="yellow",
         )
         return
-    gen = generate(
-        target,
-        ids,
-        num_draft=settings.gamma if settings.draft_on else 0,
-        draft_mode=settings.draft_mode,
-        draft=session.draft if settings.draft_on else None,
-        session=session,
-        max_tokens=min(settings.max_tokens, room),
-        temperature=settings.temperature,
-        top_p=settings.top_p,
-        top_k=settings.top_k,
-        seed=settings.seed,
-    )
-    rounds = stream.round_notes(gen.stats, note) if shown.verbose else lambda: None
-    text = ""
-    with sigint_flag() as interrupted:
+    bar = progress.prefill(shown.err, show=not shown.quiet)
+    with sigint_flag() as interrupted, bar as on_prefill:
+        gen = generate(
+            target,
+            ids,
+            num_draft=settings.gamma if settings.draft_on else 0,
+            draft_mode=settings.draft_mode,
+            draft=session.draft if settings.draft_on else None,
+            session=session,
+            max_tokens=min(settings.max_tokens, room),
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            top_k=settings.top_k,
+            seed=settings.seed,
+            on_prefill=on_prefill,
+        )
+        rounds = stream.round_notes(gen.stats, note) if shown.verbose else lambda: None
+        text = ""
         try:
             for _step, piece in stream.stop_pieces(gen, shown.stops):
                 rounds()

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 
 from ..errors import SpecmlxError
-from . import app, options, report, stream
+from . import app, options, progress, report, stream
 
 
 @app.command()
@@ -105,38 +105,41 @@ def generate(
         raise SpecmlxError(
             f"the prompt is {len(ids)} tokens and {target.name} takes {limit}; shorten it"
         )
-    gen = run(
-        target,
-        ids,
-        num_draft=num_draft,
-        draft_mode=draft_mode,
-        draft=drafter,
-        max_tokens=min(max_tokens, room),
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-    )
-    rounds = stream.round_notes(gen.stats, detail) if verbose else lambda: None
-    text_out = ""
-    try:
-        for step, text in stream.stop_pieces(gen, stops):
-            rounds()
-            text_out += text
-            if as_jsonl:
-                token = None if step is None else step.token
-                piece = {"token": token, "text": text, "from_draft": bool(step and step.from_draft)}
-                if step is not None or text:
-                    print(json.dumps(piece, ensure_ascii=False), flush=True)
-            elif not as_json:
-                sys.stdout.write(text)
-                sys.stdout.flush()
-    except KeyboardInterrupt:
-        if text_out and not scripted:  # end the line of text: "interrupted" gets its own
-            sys.stdout.write("\n")
-        raise
-    finally:
-        gen.close()  # stopped at a stop string: the rest is never decoded
+    with progress.prefill(err, show=not quiet) as on_prefill:
+        gen = run(
+            target,
+            ids,
+            num_draft=num_draft,
+            draft_mode=draft_mode,
+            draft=drafter,
+            max_tokens=min(max_tokens, room),
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            on_prefill=on_prefill,
+        )
+        rounds = stream.round_notes(gen.stats, detail) if verbose else lambda: None
+        text_out = ""
+        try:
+            for step, text in stream.stop_pieces(gen, stops):
+                rounds()
+                text_out += text
+                if as_jsonl:
+                    token = None if step is None else step.token
+                    from_draft = bool(step and step.from_draft)
+                    piece = {"token": token, "text": text, "from_draft": from_draft}
+                    if step is not None or text:
+                        print(json.dumps(piece, ensure_ascii=False), flush=True)
+                elif not as_json:
+                    sys.stdout.write(text)
+                    sys.stdout.flush()
+        except KeyboardInterrupt:
+            if text_out and not scripted:  # end the line of text: "interrupted" gets its own
+                sys.stdout.write("\n")
+            raise
+        finally:
+            gen.close()  # stopped at a stop string: the rest is never decoded
     rounds()
     stopped = stream.reached_stop(gen, stops)
     first_token_s = timings["cold_start_s"] + gen.stats.ttft

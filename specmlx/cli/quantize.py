@@ -6,33 +6,10 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TaskProgressColumn,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 from rich.text import Text
 
 from ..errors import SpecmlxError
-from . import app
-
-
-def progress_bar(console: Console) -> Progress:
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TaskProgressColumn(),
-        DownloadColumn(),
-        TextColumn("{task.fields[tensors]}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        transient=True,
-    )
+from . import app, progress
 
 
 def format_line(bits: int, group_size: int, embed_bits: int) -> str:
@@ -82,22 +59,8 @@ def quantize(
     if (out.expanduser().exists() or out.expanduser().is_symlink()) and not force:
         raise SpecmlxError(f"{out} already exists; pass --force to replace it")
     console = Console(stderr=True, soft_wrap=True)
-    bar = progress_bar(console)
-    task = None
-
-    def on_progress(p) -> None:
-        nonlocal task
-        if task is None:  # started on the first tensor, so input errors print one clean line
-            bar.start()
-            task = bar.add_task("quantizing", total=p.bytes_total, tensors="")
-        tensors = f"{p.tensors_done}/{p.tensors_total} tensors"
-        bar.update(task, completed=p.bytes_done, tensors=tensors)
-
-    try:
+    with progress.conversion(console) as on_progress:
         summary = run(src, out, bits, group_size, embed_bits, dtype, force, on_progress=on_progress)
-    finally:
-        if task is not None:
-            bar.stop()
     # Text, not markup: a path or tensor name may hold [brackets] that markup would eat.
     written = f" ({format_line(bits, group_size, embed_bits)}): {summary_line(summary)}"
     console.print(Text.assemble((f"wrote {summary.out}", "green"), written))

@@ -1,0 +1,112 @@
+"""Progress on stderr for the waits a user would otherwise sit through in silence: a long
+prefill (generate, chat) and the first use's GGUF → INT4 conversion.
+
+A bar is drawn only where stderr is an interactive terminal (rich's `is_interactive`:
+a tty, and TERM not dumb), and erased once done: the line that follows says what it
+took. Piped stderr gets nothing from here, so logs hold no control characters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+
+def conversion_bar(console: Console) -> Progress:
+    """What `specmlx quantize` shows while it converts (and the first use, building the
+    offline pair): bytes of source tensors done, tensors done, time left."""
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TaskProgressColumn(),
+        DownloadColumn(),
+        TextColumn("{task.fields[tensors]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+    )
+
+
+@contextmanager
+def conversion(console: Console, label: str = "quantizing") -> Iterator[Callable | None]:
+    """An `on_progress` for specmlx.convert.quantize that draws `conversion_bar` on a
+    terminal, started on the first tensor (so that input errors print one clean line)
+    and erased on leaving; None where nothing would be drawn."""
+    if not console.is_interactive:
+        yield None
+        return
+    bar = conversion_bar(console)
+    task = None
+
+    def on_progress(p) -> None:
+        nonlocal task
+        if task is None:
+            bar.start()
+            task = bar.add_task(label, total=p.bytes_total, tensors="")
+        tensors = f"{p.tensors_done}/{p.tensors_total} tensors"
+        bar.update(task, total=p.bytes_total, completed=p.bytes_done, tensors=tensors)
+
+    try:
+        yield on_progress
+    finally:
+        bar.stop()  # nothing to erase where it never started
+
+
+@contextmanager
+def prefill(
+    console: Console | None, show: bool = True
+) -> Iterator[Callable[[int, int], None] | None]:
+    """An `on_prefill` for specmlx.generate: a bar of prompt tokens taken, on `console`
+    where it is a terminal, for a prefill of more than one chunk; None where nothing would
+    be drawn (no console, not `show`, not a terminal).
+
+    One chunk (caches.PREFILL_STEP tokens) is one forward pass with no point in between
+    to report, and a short wait; past it, on a CPU, a prefill takes seconds per chunk.
+    The bar is erased when the last chunk is in (before the reply streams on stdout,
+    which may be the same terminal) or when the call is left early (Ctrl-C, an error).
+    """
+    if console is None or not show or not console.is_interactive:
+        yield None
+        return
+    from ..caches import PREFILL_STEP
+
+    bar = Progress(
+        TextColumn("prefill"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("prompt tokens"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+    )
+    task = None
+
+    def on_prefill(done: int, total: int) -> None:
+        nonlocal task
+        if total <= PREFILL_STEP:
+            return
+        if task is None:
+            bar.start()
+            task = bar.add_task("prefill", total=total)
+        bar.update(task, completed=done, refresh=True)  # drawn now, not at the next tick
+        if done >= total:
+            bar.stop()
+
+    try:
+        yield on_prefill
+    finally:
+        bar.stop()
