@@ -25,7 +25,7 @@ from .caches import (
     trim,
     trims_exactly,
 )
-from .drafters import CostProbe, Drafter, LookupDrafter, ModelDrafter
+from .drafters import CostProbe, Drafter, LookupDrafter, ModelDrafter, model_drafter
 from .errors import SpecmlxError
 from .loading import Model, backend, check_pair
 from .policy import AutoGamma, FixedGamma, Policy, Round, load_costs, save_costs
@@ -167,7 +167,7 @@ class Session:
         """Forget the conversation (both caches); keep the models and what was measured."""
         self.cache = make_cache(self.target.module)
         self.cached: list[int] = []  # tokens whose entries are in the target cache
-        self.drafter = ModelDrafter(self.draft) if self.draft is not None else None
+        self.drafter = None if self.draft is None else model_drafter(self.draft, self.vocab_size)
 
     @property
     def cost_key(self) -> str:

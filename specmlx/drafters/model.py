@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from ..caches import PREFILL_STEP, align_cache, checkpoint, make_cache, prefill, rewind, timed_pass
+from ..cpu import softmax
 from ..loading import Model
 from .protocol import Draw, GoOn, Proposal
+
+if TYPE_CHECKING:
+    from .subvocab import SubHead
 
 
 class ModelDrafter:
@@ -17,12 +22,16 @@ class ModelDrafter:
     It is fed lazily: what the text gained while it sat out rides along with its next
     draft pass (a pass over a few tokens costs little more than one), and a call that
     never drafts (auto γ = 0) never pays for its prompt.
+
+    With a `head` (drafters.subvocab), its logits cover that sub-vocabulary only: it draws
+    from them, and its q is zero outside.
     """
 
     name = "model"
 
-    def __init__(self, model: Model):
+    def __init__(self, model: Model, head: SubHead | None = None):
         self.model = model
+        self.head = head
         self.cache = make_cache(model.module)
         self.cached: list[int] = []  # tokens whose entries are in the cache
         self.pending: list[int] = []  # tokens of the text not yet fed; the last drafts next
@@ -54,16 +63,33 @@ class ModelDrafter:
         x = mx.array(self.pending, mx.uint32)
         tokens, qs = [], []
         for k in mx.random.split(key, g):
-            logits = self.model.module(x[None], cache=self.cache)[:, -1, :]
-            q, x = draw(logits, k)
+            logits, probs, x = self.step(x, k, draw)
             mx.async_eval(x)
             tokens.append(x)
-            qs.append(q)
-            if go_on is not None and not go_on(logits, q):
+            qs.append(probs if self.head is None or probs is None else self.head.widen(probs))
+            if go_on is not None and not go_on(logits, self._shown(logits, probs)):
                 break
         self.pending = []
         q = None if qs[0] is None else mx.concatenate(qs)
         return Proposal(mx.concatenate(tokens), q, fed, first, prompt_s)
+
+    def step(self, x: mx.array, key: mx.array, draw: Draw) -> tuple:
+        """One draft pass over tokens x (lazy): (logits, the distribution drawn from or None
+        when greedy, the token drawn (1,)). With a head, logits and distribution cover its
+        sub-vocabulary and the token is mapped back to its full id."""
+        if self.head is None:
+            logits = self.model.module(x[None], cache=self.cache)[:, -1, :]
+            return (logits, *draw(logits, key))
+        logits = self.head.logits(self.model.module, x, self.cache)
+        probs, index = draw(logits, key)
+        return logits, probs, self.head.token(index)
+
+    def _shown(self, logits: mx.array, probs: mx.array | None) -> mx.array | None:
+        """What go_on reads the draft's confidence from. Over a sub-vocabulary the logits are
+        not the full row it expects at temperature 0, so it is shown their softmax."""
+        if self.head is None or probs is not None:
+            return probs
+        return softmax(logits.astype(mx.float32))
 
     def commit(self, proposal: Proposal | None, accepted: int, emitted: list[int]) -> int:
         if proposal is None:
@@ -88,7 +114,17 @@ class ModelDrafter:
         without taking what it missed (best of two: a process's first pass pays one-time
         work, and one pass can meet a burst of load)."""
         token = (self.cached or self.pending)[-1:]
-        return min(timed_pass(self.model, self.cache, token) for _ in range(2))
+        timed = timed_pass if self.head is None else self._timed_head_pass
+        return min(timed(self.model, self.cache, token) for _ in range(2))
+
+    def _timed_head_pass(self, model: Model, cache: list, tokens: list[int]) -> float:
+        """caches.timed_pass through the sub-vocabulary head."""
+        saved = checkpoint(cache)
+        start = time.perf_counter()
+        mx.eval(self.head.logits(model.module, mx.array(tokens, mx.uint32), cache))
+        seconds = time.perf_counter() - start
+        rewind(model, cache, saved, [], len(tokens))
+        return seconds
 
     def _feed(self, n: int) -> None:
         """Feed the first n pending tokens through the draft as a prefill."""

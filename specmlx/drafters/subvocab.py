@@ -1,0 +1,141 @@
+"""A draft head over the N most frequent tokens only (FR-Spec, Zhao et al. 2025).
+
+On a CPU a draft pass is memory-bound, and a small model's output head is a large share of
+the bytes it reads (Qwen2.5-Coder-0.5B: 151,936 x 896 at 8 bits, over a quarter of its
+weights). The draft computes logits over the sub-vocabulary's rows of its head only,
+draws from them, and its q is zero outside: modified rejection sampling stays exact for
+any q (verify.accept_reject compares p and q over the full vocabulary), and greedy output
+still equals the target's; only acceptance can drop, where the target's token lies outside.
+
+Which tokens: the first in token id order (byte-level BPE ids follow merge order, roughly
+frequency), with every special token (EOS among them) always in, so the draft can
+propose the end. bench/draft_head.py measures coverage, acceptance and pass time per N.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..errors import SpecmlxError
+from ..loading import Model
+from .model import ModelDrafter
+
+# Architectures whose mlx-lm Model computes logits as exactly head(self.model(inputs, cache)),
+# the head being `lm_head` or, when tied, `model.embed_tokens.as_linear` (no softcapping,
+# scaling or wrapper in between): their head can be cut to rows.
+HEAD_OF_BODY = {"llama", "qwen2", "qwen3", "qwen3_moe", "phi3", "olmo2", "smollm3", "gemma3_text"}
+# The default size (None: the full head) and its switch.
+DEFAULT_SIZE: int | None = None
+ENV = "SPECMLX_DRAFT_VOCAB"
+
+
+@dataclass
+class SubHead:
+    """The rows of a model's output head for `ids` (ascending token ids), and what maps a
+    draw over them back to the full vocabulary of `width` tokens that verify compares over."""
+
+    ids: mx.array  # (N,) uint32
+    width: int
+    rows: nn.Module  # the head layer's own class, holding only the rows of `ids`
+    tied: bool  # the head is the embedding's as_linear
+
+    def logits(self, module: nn.Module, x: mx.array, cache: list) -> mx.array:
+        """(1, N) logits of the last position after a pass over tokens x (lazy); the head
+        runs on that position only."""
+        hidden = module.model(x[None], cache=cache)[:, -1, :]
+        return self.rows.as_linear(hidden) if self.tied else self.rows(hidden)
+
+    def token(self, index: mx.array) -> mx.array:
+        """The full token id of a draw's index into the sub-vocabulary."""
+        return self.ids[index]
+
+    def widen(self, probs: mx.array) -> mx.array:
+        """q over the full vocabulary: the draw's distribution, zero outside the ids."""
+        q = mx.zeros((probs.shape[0], self.width), probs.dtype)
+        return mx.put_along_axis(q, mx.broadcast_to(self.ids, probs.shape), probs, axis=-1)
+
+
+def cuttable(model: Model) -> bool:
+    """Whether this model's output head can be cut to rows (see HEAD_OF_BODY)."""
+    module = model.module
+    return (
+        isinstance(module, nn.Module)  # not a wrapper around one
+        and model.config.get("model_type") in HEAD_OF_BODY
+        and "model" in module
+    )
+
+
+def head_layer(model: Model) -> tuple[nn.Module, bool]:
+    """(the output head layer, whether it is the tied embedding)."""
+    module = model.module
+    if "lm_head" in module:
+        return module.lm_head, False
+    return module.model.embed_tokens, True
+
+
+def token_order(model: Model) -> mx.array:
+    """Every token id the model can produce, most frequent first: id order."""
+    return mx.arange(model.vocab_size, dtype=mx.uint32)
+
+
+def always_in(model: Model) -> list[int]:
+    """Token ids every sub-vocabulary keeps: the EOS ids and the tokenizer's special
+    (added) tokens, which sit at the end of BPE id order but end or shape a turn."""
+    tokenizer = model.tokenizer
+    special = set(tokenizer.eos_token_ids)
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    special.update(int(i) for i in added)
+    return sorted(t for t in special if 0 <= t < model.vocab_size)
+
+
+def sub_vocab(model: Model, size: int, order: mx.array | None = None) -> mx.array:
+    """The `size` token ids of the sub-vocabulary, ascending: every one of always_in, then
+    the first of `order` (default: token_order)."""
+    kept = np.array(always_in(model), np.int64)
+    ranked = np.asarray(token_order(model) if order is None else order).astype(np.int64)
+    fill = ranked[~np.isin(ranked, kept)][: max(0, size - kept.size)]
+    return mx.array(np.sort(np.concatenate([kept, fill])), mx.uint32)
+
+
+def sub_head(model: Model, ids: mx.array, width: int) -> SubHead:
+    """The head's rows for `ids`, lazily (read on the first draft pass). MLX's quantized
+    layers pack and scale each row on its own, so their rows slice exactly; the copy keeps
+    the layer's class, so it runs the same kernel (native or MLX's) as the full head."""
+    layer, tied = head_layer(model)
+    rows = copy.copy(layer)
+    for name in ("weight", "scales", "biases", "bias"):
+        if name in layer:
+            rows[name] = layer[name][ids]
+    return SubHead(ids, width, rows, tied)
+
+
+def draft_size(model: Model) -> int | None:
+    """The sub-vocabulary size for this draft model, None for the full head: $SPECMLX_DRAFT_VOCAB
+    (a number of tokens, or "full"), else DEFAULT_SIZE, where the head can be cut."""
+    text = os.environ.get(ENV, "").strip().lower()
+    if text == "full" or (not text and DEFAULT_SIZE is None):
+        return None
+    size = DEFAULT_SIZE if not text else int(text) if text.isdigit() else 0
+    if size < 1:
+        raise SpecmlxError(
+            f"{ENV}={os.environ[ENV]!r} is not a number of tokens; "
+            "set it to a positive integer (e.g. 32768) or 'full'"
+        )
+    if size >= model.vocab_size or not cuttable(model):
+        return None
+    return size
+
+
+def model_drafter(model: Model, width: int) -> ModelDrafter:
+    """The draft model's drafter: with the head cut to draft_size's tokens where that is
+    set, else its full head. `width`: the vocabulary verify compares over."""
+    size = draft_size(model)
+    if size is None:
+        return ModelDrafter(model)
+    return ModelDrafter(model, sub_head(model, sub_vocab(model, size), width))
