@@ -3,6 +3,8 @@
     python bench/native_matmul.py                       # full table (a few minutes)
     python bench/native_matmul.py --quick               # 4096x4096 only
     python bench/native_matmul.py --out bench/results/native_matmul.md
+    python bench/native_matmul.py --activations         # float32 vs int8 x, 1.5B layers
+    python bench/native_matmul.py --activations --model DIR   # and whole-model passes T(k)
 
 Shapes: a 4096x4096 layer and Qwen2.5-1.5B's linear layers (hidden 1536, intermediate
 8960, vocab 151936), INT4 g64 with float32 activations and scales (what specmlx.load uses
@@ -12,6 +14,12 @@ included, as it is in a model. Two alternatives are timed too: a float32 matmul 
 dequantized beforehand (the `--cpu-weights fp32` path; it uses OpenBLAS when
 specmlx.cpu.blas finds one, and 8x the memory), and for M = 32 dequantize + matmul per call
 (what large M would cost without the kernel).
+
+--activations times the kernel's two modes instead (native.set_activations: float32 x, or
+x quantized to int8 for integer dot products) on the 1.5B's INT4 layers at M = 1 ... 128,
+the modes alternating within every repeat so that load from other processes hits both
+alike; with --model, also one forward pass of that model over k tokens (on a short
+prompt's cache, trimmed back after each pass), k = 1, 2, 4, 8, 16.
 """
 
 from __future__ import annotations
@@ -42,6 +50,10 @@ SHAPES = {  # name: (N output features, K input features)
 }
 ROWS = (1, 2, 4, 8, 32)
 GROUP_SIZE = 64
+ACTIVATION_ROWS = (1, 2, 4, 8, 16, 64, 128)
+ACTIVATION_SHAPES = [name for name in SHAPES if name.startswith("qwen1.5b") and "head" not in name]
+PASS_TOKENS = (1, 2, 4, 8, 16)
+MODES = ("float32", "int8")
 
 
 def median_ms(fn: Callable[[], mx.array], reps: int) -> float:
@@ -102,15 +114,129 @@ def measure(m: int, w, scales, biases, thread_counts: list[int], args) -> str:
     return f"{ref:.2f} | {native_cells} | {ref / min(times):.1f}x | {dense_cell} | {dequant_cell} |"
 
 
+def interleaved_ms(fns: dict[str, Callable[[], mx.array]], reps: int) -> dict[str, float]:
+    """Median ms of each mode's call, the modes alternating within each repeat."""
+    times: dict[str, list[float]] = {mode: [] for mode in fns}
+    for mode, fn in fns.items():  # warm-up: allocation, page faults, first-call work
+        native.set_activations(mode)
+        mx.eval(fn())
+    for _ in range(reps):
+        for mode, fn in fns.items():
+            native.set_activations(mode)
+            t0 = time.perf_counter()
+            mx.eval(fn())
+            times[mode].append(time.perf_counter() - t0)
+    return {mode: statistics.median(t) * 1e3 for mode, t in times.items()}
+
+
+def compare_activations(args) -> list[str]:
+    """Table rows: float32 vs int8 x per layer and M, then whole-model passes if asked."""
+    lines = [
+        "| layer (N x K) | M | float32 x | int8 x | int8 speedup |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    print("\n".join(lines), flush=True)
+    for name in ACTIVATION_SHAPES:
+        n, k = SHAPES[name]
+        mx.random.seed(0)
+        w, scales, biases = mx.quantize(mx.random.normal((n, k)), group_size=GROUP_SIZE)
+        mx.eval(w, scales, biases)
+        for m in ACTIVATION_ROWS:
+            x = mx.random.normal((m, k))
+            mx.eval(x)
+
+            def call(x=x, w=w, scales=scales, biases=biases) -> mx.array:
+                return native.quantized_matmul(x, w, scales, biases, GROUP_SIZE)
+
+            reps = args.reps if m <= 16 else max(3, args.reps // 3)
+            ms = interleaved_ms({mode: call for mode in MODES}, reps)
+            f, q = ms["float32"], ms["int8"]
+            row = f"| {name} | {m} | {f:.3f} | {q:.3f} | {f / q:.2f}x |"
+            lines.append(row)
+            print(row, flush=True)
+    if args.model:
+        lines += model_passes(args)
+    return lines
+
+
+def model_passes(args) -> list[str]:
+    """Table rows: one forward pass of the model over k tokens in each mode, and T(k)/T(1)."""
+    from specmlx.bench import encode
+    from specmlx.caches import make_cache, prefill, timed_pass
+    from specmlx.loading import load
+
+    model = load(args.model)
+    ids = encode(model, "Write a python function that adds two numbers and explain it.", True)
+    cache = make_cache(model.module)
+    prefill(model, cache, ids)
+    times: dict[str, dict[int, list[float]]] = {
+        mode: {k: [] for k in PASS_TOKENS} for mode in MODES
+    }
+    for mode in MODES:  # a process's first passes pay one-time work
+        native.set_activations(mode)
+        for k in PASS_TOKENS:
+            timed_pass(model, cache, ids[-k:])
+    for _ in range(args.reps):
+        for k in PASS_TOKENS:
+            for mode in MODES:
+                native.set_activations(mode)
+                times[mode][k].append(timed_pass(model, cache, ids[-k:]))
+    ms = {
+        mode: {k: statistics.median(t) * 1e3 for k, t in by_k.items()}
+        for mode, by_k in times.items()
+    }
+    lines = [
+        "",
+        f"whole-model pass over k tokens, {model.name} ({len(ids)}-token prompt cached), "
+        f"median of {args.reps}:",
+        "",
+        "| k | float32 x ms | int8 x ms | int8 speedup | T(k)/T(1) float32 | T(k)/T(1) int8 |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for k in PASS_TOKENS:
+        f, q = ms["float32"][k], ms["int8"][k]
+        lines.append(
+            f"| {k} | {f:.1f} | {q:.1f} | {f / q:.2f}x | {f / ms['float32'][1]:.2f} | "
+            f"{q / ms['int8'][1]:.2f} |"
+        )
+    print("\n".join(lines), flush=True)
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="only the 4096x4096 layer")
     parser.add_argument("--reps", type=int, default=9, help="timed runs of the native kernel")
     parser.add_argument("--mlx-reps", type=int, default=3, help="timed runs of mlx (slow)")
     parser.add_argument("--out", help="also write the table (markdown) to this file")
+    parser.add_argument(
+        "--activations", action="store_true", help="float32 vs int8 x on the 1.5B's layers"
+    )
+    parser.add_argument("--model", help="with --activations: also whole-model passes of this model")
     args = parser.parse_args()
     if not native.available():
         sys.exit(f"native kernel unavailable: {native.reason()}")
+    if args.model and not args.activations:
+        sys.exit("--model times whole-model passes for --activations; add --activations")
+    if args.activations:
+        before = native.activations()
+        header = [
+            f"command: python {' '.join(sys.argv)}",
+            f"cpu: {cpu_name()}, {os.cpu_count()} logical CPUs; kernel: {native.describe()}; "
+            f"int8 tiles: {native._ext.q8_kernel()}",
+            f"mlx {mx.__version__}; INT4 g{GROUP_SIZE}, float32 scales; ms per call, median of "
+            f"{args.reps} (M <= 16) / {max(3, args.reps // 3)} (M > 16), the modes interleaved",
+            "note: taken on a shared, noisy machine; compare the modes within a row",
+            "",
+        ]
+        print("\n".join(header), flush=True)
+        try:
+            lines = header + compare_activations(args)
+        finally:
+            native.set_activations(before)
+        if args.out:
+            write(args.out, lines)
+        return
 
     pool = native.threads()
     thread_counts = sorted({1, min(2, pool)} | ({pool} if pool <= 4 else set()))
@@ -141,8 +267,14 @@ def main() -> None:
     finally:
         native.set_threads(pool)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+        write(args.out, lines)
+
+
+def write(path: str, lines: list[str]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

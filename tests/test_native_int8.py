@@ -6,6 +6,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+import specmlx
+from specmlx.convert.quantize import quantize
 from specmlx.cpu import native
 from specmlx.errors import SpecmlxError
 
@@ -97,13 +99,14 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(group_size, isas):
         assert mx.array_equal(pair, together[2:4]).item(), isa
 
 
-def test_rows_past_a_cache_block_match_too(isas):
-    # K = 8960 (the 1.5B's down projection): x is cut into L2 blocks of well under 80 rows
-    w, s, b = quantized(6, 8960)
-    x = mx.random.normal((80, 8960))
+def test_rows_match_across_cache_blocks(isas):
+    # K = 8960 (the 1.5B's down projection): 200 output rows make several L2 blocks of
+    # weights, 20 rows of x several tiles, each tile sweeping one block at a time
+    w, s, b = quantized(200, 8960)
+    x = mx.random.normal((20, 8960))
     for isa in isas:
         together = int8_matmul(x, w, s, b, 64, isa)
-        for i in (0, 75, 79):
+        for i in (0, 17, 19):
             alone = int8_matmul(x[i : i + 1], w, s, b, 64, isa)
             assert mx.array_equal(alone, together[i : i + 1]).item(), (isa, i)
 
@@ -177,3 +180,27 @@ def test_a_bad_env_var_stops_model_preparation(monkeypatch):
     monkeypatch.setattr(native, "_env_problem", "SPECMLX_ACTIVATIONS must be one of ...")
     with pytest.raises(SpecmlxError, match="SPECMLX_ACTIVATIONS"):
         native.patch_model(nn.QuantizedLinear(128, 16))
+
+
+@pytest.fixture(scope="module")
+def int4_pair(model_dirs, tmp_path_factory):
+    """The tiny qwen2 target and its perturbed draft in INT4 g32 (K = 64: one partial
+    chunk per row), loaded onto the native kernel."""
+    root = tmp_path_factory.mktemp("int8-activations")
+    quantize(model_dirs["target"], root / "target", group_size=32, dtype="float32")
+    quantize(model_dirs["perturbed"], root / "draft", group_size=32, dtype="float32")
+    return specmlx.load(root / "target"), specmlx.load(root / "draft")
+
+
+def test_speculative_greedy_equals_the_target_alone(int4_pair, isas):
+    # verify passes run k rows, plain steps one: with rows independent, the tokens agree
+    target, draft = int4_pair
+    for isa in isas:
+        native._ext.set_isa(isa)
+        native.set_activations("int8")
+        alone = specmlx.generate(target, "def f(x):", max_tokens=24, num_draft=0).tokens
+        for gamma in (1, 3, 4):
+            spec = specmlx.generate(
+                target, "def f(x):", draft=draft, max_tokens=24, num_draft=gamma
+            )
+            assert spec.tokens == alone, (isa, gamma)

@@ -27,10 +27,14 @@
 #include "kernels.h"
 #include "mlx/types/half_types.h"
 
+// gcc 12's AVX-512 headers also trip -Wuninitialized on their _mm512_undefined_*() values
+// (in the reductions and conversions the quantizer uses).
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
 namespace specmlx {
 namespace {
 
-// q8 rows kept hot in L2 while a thread sweeps its output rows (bytes; 1 MiB).
+// The L2 size the loop blocking plans for (bytes; 1 MiB, as on the cores this was tuned on).
 constexpr size_t kL2Bytes = size_t(1) << 20;
 
 inline float scale_at(const void* p, size_t i, ScaleType t) {
@@ -320,6 +324,80 @@ int round_up(int v, int to) {
   return (v + to - 1) / to * to;
 }
 
+// ---------------------------------------------------------------------------------------
+// Quantizing x. Every version computes the same codes: max |x| is exact in any order, and
+// the scale, its inverse, the products and their rounding (to nearest even, the default
+// MXCSR mode, by cvtss2si / cvtps2dq) are the same float32 operations.
+struct Block {
+  float scale;
+  int sum;  // of the codes
+};
+
+inline float block_inverse(float amax) {
+  return amax > 0.0f ? 1.0f / (amax / 127.0f) : 0.0f;
+}
+
+Block quantize_block(const float* x, int8_t* even, int8_t* odd, int step) {
+  float amax = 0.0f;
+  for (int i = 0; i < kQ8Block; ++i) {
+    amax = std::max(amax, std::fabs(x[i]));
+  }
+  const float inv = block_inverse(amax);
+  int sum = 0;
+  for (int i = 0; i < kQ8Block; i += 2) {
+    const int c0 = std::clamp(_mm_cvtss_si32(_mm_set_ss(x[i] * inv)), -127, 127);
+    const int c1 = std::clamp(_mm_cvtss_si32(_mm_set_ss(x[i + 1] * inv)), -127, 127);
+    even[i / 2 * step] = int8_t(c0);
+    odd[i / 2 * step] = int8_t(c1);
+    sum += c0 + c1;
+  }
+  return {amax / 127.0f, sum};
+}
+
+SPECMLX_VNNI512 Block quantize_block512(const float* x, int8_t* even, int8_t* odd) {
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const __m512 inv = _mm512_set1_ps(block_inverse(amax));
+  const __m512i lim = _mm512_set1_epi32(127), neg = _mm512_set1_epi32(-127);
+  const __m512i ca = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), lim), neg);
+  const __m512i cb = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(b, inv)), lim), neg);
+  const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(even), _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(ca, evens, cb)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(odd), _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(ca, odds, cb)));
+  return {amax / 127.0f, _mm512_reduce_add_epi32(_mm512_add_epi32(ca, cb))};
+}
+
+SPECMLX_AVX2_Q8 Block quantize_block256(const float* x, int8_t* even, int8_t* odd) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 v[4], m = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    m = _mm256_max_ps(m, _mm256_and_ps(v[i], abs_mask));
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float amax = _mm_cvtss_f32(h);
+  const __m256 inv = _mm256_set1_ps(block_inverse(amax));
+  const __m256i lim = _mm256_set1_epi32(127), neg = _mm256_set1_epi32(-127);
+  alignas(32) int codes[kQ8Block];
+  __m256i sum = _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {
+    const __m256i c = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)), lim), neg);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(codes + 8 * i), c);
+    sum = _mm256_add_epi32(sum, c);
+  }
+  for (int i = 0; i < kQ8Block; i += 2) {
+    even[i / 2] = int8_t(codes[i]);
+    odd[i / 2] = int8_t(codes[i + 1]);
+  }
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+  return {amax / 127.0f, _mm_cvtsi128_si32(t)};
+}
+
 } // namespace
 
 int q8_chunk(Isa isa) {
@@ -362,39 +440,46 @@ int q8_row_groups(int K, int group_size) {
 
 void quantize_row_q8(const float* x, int K, int group_size, Isa isa, int8_t* q, float* d, float* s) {
   const int chunk = q8_chunk(isa);
+  const Isa kernel = q8_isa(isa);
   std::fill_n(q, q8_row_bytes(K, isa), int8_t(0));
   std::fill_n(d, q8_row_lanes(K, isa), 0.0f);
   std::fill_n(s, q8_row_groups(K, group_size), 0.0f);
   for (int k0 = 0; k0 < K; k0 += kQ8Block) {
-    float amax = 0.0f;
-    for (int k = k0; k < k0 + kQ8Block; ++k) {
-      amax = std::max(amax, std::fabs(x[k]));
+    // A block lies inside one chunk (chunks are 1 or a multiple of 64 codes): its even k
+    // go to 16 consecutive bytes of the chunk's first half, its odd k to the second half.
+    int8_t* even = q + k0;
+    int8_t* odd = q + k0 + 1;
+    int step = 2;
+    if (chunk > 1) {
+      const int r = k0 % chunk;
+      even = q + (k0 - r) + r / 2;
+      odd = even + chunk / 2;
+      step = 1;
     }
-    const float scale = amax / 127.0f, inv = amax > 0.0f ? 1.0f / scale : 0.0f;
-    int sum = 0;
-    for (int k = k0; k < k0 + kQ8Block; ++k) {
-      // cvtss2si rounds to nearest even (the default MXCSR mode), no libm call.
-      const int code = std::clamp(_mm_cvtss_si32(_mm_set_ss(x[k] * inv)), -127, 127);
-      const int r = k % chunk, base = k - r;
-      q[chunk == 1 ? k : base + (r & 1) * (chunk / 2) + r / 2] = int8_t(code);
-      sum += code;
-    }
-    std::fill_n(d + k0 / 8, kQ8Block / 8, scale);
-    s[k0 / group_size] += scale * float(sum);
+    const Block b = kernel == Isa::avx512 ? quantize_block512(x + k0, even, odd)
+        : kernel == Isa::avx2             ? quantize_block256(x + k0, even, odd)
+                                          : quantize_block(x + k0, even, odd, step);
+    std::fill_n(d + k0 / 8, kQ8Block / 8, b.scale);
+    s[k0 / group_size] += b.scale * float(b.sum);
   }
 }
 
 void qmm_rows_q8(Isa isa, const QmmJob& j, int n0, int n1) {
   const Isa tiles = q8_isa(isa);
   const int tile_rows = tiles == Isa::avx512 ? kVnniMaxRows : tiles == Isa::avx2 ? kAvx2MaxRows : kScalarMaxRows;
-  const size_t row_bytes = size_t(j.ldq) + 4 * size_t(j.ldd + j.ldg);
-  const int block = std::max<int>(tile_rows, int(kL2Bytes / row_bytes) / tile_rows * tile_rows);
-  for (int mb = 0; mb < j.M; mb += block) {
-    const int mb_end = std::min(j.M, mb + block);
-    for (int n = n0; n < n1; n += 2) {
-      const int rows = std::min(2, n1 - n);
-      for (int m0 = mb; m0 < mb_end; m0 += tile_rows) {
-        const int mt = std::min(tile_rows, mb_end - m0);
+  // Output rows in blocks whose weights (codes, scales, biases) fit in half of L2; each x
+  // tile (a few rows of q and d: L1-sized for K up to a few thousand) sweeps one block
+  // before the next tile comes in. With one tile (decode, verify) this is just the row
+  // pairs in order; for prefill it reads each weight from memory once, not M / MT times,
+  // and each x row from L2 once per block.
+  const size_t weight_bytes = size_t(j.K) / 2 + 8 * size_t(j.K / j.group_size);
+  const int block = std::max(2, int(kL2Bytes / 2 / weight_bytes) / 2 * 2);
+  for (int nb = n0; nb < n1; nb += block) {
+    const int nb_end = std::min(n1, nb + block);
+    for (int m0 = 0; m0 < j.M; m0 += tile_rows) {
+      const int mt = std::min(tile_rows, j.M - m0);
+      for (int n = nb; n < nb_end; n += 2) {
+        const int rows = std::min(2, nb_end - n);
         switch (tiles) {
           case Isa::avx512:
             pick_vnni512(j.group_size, mt)(j, n, rows, m0);
