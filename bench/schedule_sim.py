@@ -59,7 +59,7 @@ class Text:
     # The call's max_tokens, as in the bench's -n 48: a call knows this bound, not where
     # its reply will end (an 8-token reply looks like a 48-token one to the policy).
     max_tokens: int = 48
-    sampled: bool = False  # greedy: the policy reads its greedy calibration
+    sampled: bool = False
 
     def agreement(self, rng: random.Random) -> tuple[list[bool], list[float], list[float]]:
         """Whether a draft at each position would be accepted, and the target's and the
@@ -98,7 +98,7 @@ class Trace:
     top: list[float]
     accept: list[float]
     draft_top: list[float]
-    sampled: bool  # a reply sampled at T = 1: the policy reads its sampled calibration
+    sampled: bool
 
     def agreement(self, rng: random.Random) -> tuple[list[bool], list[float], list[float]]:
         agree = [rng.random() < Text.opening_alpha] + [rng.random() < a for a in self.accept]
@@ -193,23 +193,44 @@ def run_call(
     rng: random.Random,
     noise: float,
     stop: bool = True,
+    tweak=None,
+    bursts: float = 0.0,
 ) -> float:
     """One generate() call; returns its decode time in T(1)s. `state` carries what a
     Session leaves behind between calls (the cached costs). The γ policy is the engine's
     own (policy.AutoGamma or FixedGamma, the real classes) shown each round as the engine
     shows it; only the passes' costs and the draft's agreement are simulated. `stop`:
-    auto's rounds end early where the draft turns unsure (Scheduler.keep_drafting)."""
+    auto's rounds end early where the draft turns unsure (Scheduler.keep_drafting).
+    `tweak(scheduler)` edits auto's Scheduler once, when the process's first call makes it
+    (bench/policy_ablation.py turns parts of the policy off so). `bursts`: how often, per
+    T(1) of time, other work on the machine starts or stops; while it runs every pass
+    takes 1.6 times as long (a shared machine: load moves all costs together). The
+    bursts fall at the same times whatever the policy, so policies meet the same load."""
     agree, top, draft_top = text.agreement(rng)
     timing = random.Random(rng.random())  # the policy's own draws leave the texts alone
+    clock = state.setdefault("clock", [0.0])  # time since the process's first call
+
+    def load() -> float:
+        if not bursts:
+            return 1.0
+        toggles = state.setdefault("toggles", [])
+        schedule = state.setdefault("schedule", random.Random(1234))
+        while not toggles or toggles[-1] < clock[0]:
+            toggles.append((toggles[-1] if toggles else 0.0) + schedule.expovariate(bursts))
+        return 1.6 if sum(t < clock[0] for t in toggles) % 2 else 1.0
 
     def jitter(x: float) -> float:
-        return x * timing.lognormvariate(0, noise)
+        return x * load() * timing.lognormvariate(0, noise)
 
     draft = SimDraft(profile, draft_top, jitter)
     probe = CostProbe(2, sampled=False)
     if gamma == "auto":
         # One process: each call's Session goes on from the last one's costs.
-        s = state.setdefault("scheduler", Scheduler(Costs(cached_t1=1.0)))
+        if "scheduler" not in state:
+            state["scheduler"] = Scheduler(Costs(cached_t1=1.0))
+            if tweak is not None:
+                tweak(state["scheduler"])
+        s = state["scheduler"]
         if not stop:
             s.keep_drafting = lambda tops: True
         policy = AutoGamma({"model": s}, draft, None, probe, 2, text.sampled)
@@ -237,6 +258,7 @@ def run_call(
             Round(plan, source, asked, g, n, draft_s, verify_s, 0.0, proposal, logits, None)
         )
         time += verify_s + draft_s
+        clock[0] += verify_s + draft_s
         tokens += n + 1
     return time
 
