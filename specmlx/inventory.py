@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import SpecmlxError
@@ -27,6 +27,8 @@ class ModelEntry:
     size_bytes: int
     quantization: str  # "4-bit g64", or "dense"
     tokenizer: str | None  # group label; None where no tokenizer file is found
+    source: str | None = None  # what specmlx converted it from (its specmlx.json)
+    source_command: str | None = None  # what writes that source again, where it is gone
 
     def as_json(self) -> dict:
         return {**self.__dict__, "path": str(self.path)}
@@ -44,6 +46,24 @@ def read_config(path: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return config if isinstance(config, dict) else {}
+
+
+def source_of(name: str, path: Path) -> tuple[str | None, str | None]:
+    """specmlx.json's source and, where that is not on disk, the command that gets it back:
+    an offline model's GGUF is assembled again from its wheels. Models built before
+    specmlx.json named the wheels record the GGUF's temporary path: they are known by name."""
+    from . import models
+
+    try:
+        info = json.loads((path / "specmlx.json").read_text())
+    except (OSError, ValueError):
+        return None, None
+    if not isinstance(info, dict) or not isinstance(info.get("source"), str):
+        return None, None
+    source, spec = info["source"], models.offline_spec(name)
+    if spec is None or models.gguf_path(spec).is_file():
+        return source, None
+    return source, models.get_source_command(spec)
 
 
 def quantization_label(config: dict) -> str:
@@ -92,7 +112,12 @@ def local_entries(vocab_keys: dict[str, str]) -> list[ModelEntry]:
     if not root.is_dir():
         return []
     dirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-    return [entry(p.name, SPECMLX, p, directory_size(p), vocab_keys) for p in dirs]
+    entries = []
+    for path in dirs:
+        source, command = source_of(path.name, path)
+        listed = entry(path.name, SPECMLX, path, directory_size(path), vocab_keys)
+        entries.append(replace(listed, source=source, source_command=command))
+    return entries
 
 
 def hub_entries(vocab_keys: dict[str, str]) -> list[ModelEntry]:

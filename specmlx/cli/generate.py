@@ -72,7 +72,9 @@ def generate(
     def detail(msg: str) -> None:  # --verbose: said even with --json
         err.print(msg, style="dim", markup=False)
 
-    target, drafter, timings = options.load_timed(model, draft, no_draft, dtype, log, cpu_weights)
+    target, drafter, timings = options.load_timed(
+        model, draft, no_draft, dtype, log, cpu_weights, quiet
+    )
 
     from ..cpu import blas_info
     from ..engine import encode_prompt

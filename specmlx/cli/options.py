@@ -86,13 +86,20 @@ def load_pair(
     dtype: str,
     log,
     cpu_weights: str = "auto",
+    quiet: bool = False,
 ):
     """Load target and draft (None with --no-draft); the default pair if none is named
-    (see specmlx.models.resolve_pair; `--model tiny` is the tiny random demo pair)."""
+    (see specmlx.models.resolve_pair; `--model tiny` is the tiny random demo pair). A
+    first use that builds the offline pair shows `specmlx quantize`'s bar on stderr
+    while it converts (not with `quiet`)."""
+    from rich.console import Console
+
     from ..loading import check_pair, load
     from ..models import resolve_pair
+    from . import progress
 
-    model, draft = resolve_pair(model, draft, log)
+    with progress.conversion(Console(stderr=True), "converting to INT4", not quiet) as shown:
+        model, draft = resolve_pair(model, draft, log, on_progress=shown)
     if draft == AUTO_DRAFT and not no_draft:
         draft = pick_auto_draft(model, log)
     # Weights are read now (not at the first forward) so "ready" means ready.
@@ -132,6 +139,7 @@ def load_timed(
     dtype: str,
     log,
     cpu_weights: str = "auto",
+    quiet: bool = False,
 ):
     """load_pair, plus where the cold start went: returns (target, draft, timings).
 
@@ -149,7 +157,7 @@ def load_timed(
     from .. import engine  # noqa: F401  (mlx-lm pulls in transformers: most of a cold start)
 
     import_s = time.perf_counter() - t0
-    target, drafter = load_pair(model, draft, no_draft, dtype, log, cpu_weights)
+    target, drafter = load_pair(model, draft, no_draft, dtype, log, cpu_weights, quiet)
     loaded = [m for m in (target, drafter) if m is not None]
     timings = {
         "before_main_s": before_main,

@@ -41,11 +41,15 @@ def conversion_bar(console: Console) -> Progress:
 
 
 @contextmanager
-def conversion(console: Console, label: str = "quantizing") -> Iterator[Callable | None]:
+def conversion(
+    console: Console, label: str = "quantizing", show: bool = True
+) -> Iterator[Callable | None]:
     """An `on_progress` for specmlx.convert.quantize that draws `conversion_bar` on a
     terminal, started on the first tensor (so that input errors print one clean line)
-    and erased on leaving; None where nothing would be drawn."""
-    if not console.is_interactive:
+    and erased after the last one, so that what follows (the report; on a first use, the
+    next model's download) prints on a clear line; None where nothing would be drawn
+    (not `show`, no terminal). One callback serves several conversions in turn."""
+    if not show or not console.is_interactive:
         yield None
         return
     bar = conversion_bar(console)
@@ -58,6 +62,10 @@ def conversion(console: Console, label: str = "quantizing") -> Iterator[Callable
             task = bar.add_task(label, total=p.bytes_total, tensors="")
         tensors = f"{p.tensors_done}/{p.tensors_total} tensors"
         bar.update(task, total=p.bytes_total, completed=p.bytes_done, tensors=tensors)
+        if p.tensors_done == p.tensors_total:
+            bar.stop()
+            bar.remove_task(task)
+            task = None
 
     try:
         yield on_progress
