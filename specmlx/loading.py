@@ -1,8 +1,14 @@
 """Resolve a model path or hub id, and load it into mlx-lm's model class.
 
-Weights are loaded lazily (each tensor is read when first used), the tokenizer is
-mlx-lm's wrapper with its streaming detokenizer, and a dtype policy picks the
-activation precision that is fast on the backend at hand.
+Weights are mapped where they can be: on the CPU-only build with the native extension,
+each safetensors tensor becomes an MLX array over a read-only mapping of the file
+(specmlx/cpu/_native/mapped.cpp), so the weights stay in the page cache, shared by every
+process on the same model, and a warm start copies nothing. Tensors that cannot be used
+in place (an offset that is not 8-byte aligned, a dtype the dtype policy converts) are
+copied and counted. Elsewhere (Metal, CUDA, no extension, SPECMLX_MMAP=0) they are
+read by mx.load, lazily: each tensor copied into MLX's memory when first used. The
+tokenizer is mlx-lm's wrapper with its streaming detokenizer, and a dtype policy picks
+the activation precision that is fast on the backend at hand.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import filecmp
 import glob
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -18,11 +25,11 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map
 
 from . import cpu
 from .errors import SpecmlxError
-from .safetensors import read_header
+from .safetensors import Header, read_header
 
 # Files a model needs; everything else in a hub repo (READMEs, GGUFs, ONNX) is skipped.
 HUB_PATTERNS = [
@@ -39,6 +46,26 @@ TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 FIX = "re-download or re-convert the model"
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+# The MLX dtype each safetensors dtype's bytes are read as, as mx.load reads them (the F8
+# kinds as raw uint8, which is how quantized checkpoints use them).
+SAFETENSORS_DTYPES = {
+    "BOOL": mx.bool_,
+    "U8": mx.uint8,
+    "I8": mx.int8,
+    "F8_E4M3": mx.uint8,
+    "F8_E8M0": mx.uint8,
+    "U16": mx.uint16,
+    "I16": mx.int16,
+    "F16": mx.float16,
+    "BF16": mx.bfloat16,
+    "U32": mx.uint32,
+    "I32": mx.int32,
+    "F32": mx.float32,
+    "U64": mx.uint64,
+    "I64": mx.int64,
+    "C64": mx.complex64,
+}
 
 
 @dataclass
@@ -179,7 +206,10 @@ def cast_floating(module: nn.Module, dtype: str) -> None:
     target = DTYPES[dtype]
 
     def cast(x: mx.array) -> mx.array:
-        return x.astype(target) if mx.issubdtype(x.dtype, mx.floating) else x
+        # The same object where nothing changes: a mapped tensor stays recognisably mapped.
+        if x.dtype == target or not mx.issubdtype(x.dtype, mx.floating):
+            return x
+        return x.astype(target)
 
     module.update(tree_map(cast, module.parameters()))
 
@@ -219,11 +249,21 @@ def load(
     if not weight_files:
         raise SpecmlxError(f"{path} has no model*.safetensors weights")
     t0 = time.perf_counter()
-    for file in weight_files:  # headers only: mx.load trusts them, a truncated file included
-        read_header(file)
+    # Headers only: mx.load trusts them, a truncated file included, and a mapping needs them.
+    headers = [read_header(file) for file in weight_files]
+    unavailable = mapping_unavailable()
+    mapped: list[mx.array] = []
     try:
         classes = partial(model_classes, config_file=path / "config.json")
+        # mlx-lm's loader reads the weights with mx.load, lazily: mapped ones replace them
+        # before a byte is read.
         module, config = load_model(path, lazy=True, get_model_classes=classes)
+        if not unavailable:
+            weights, mapped, unavailable = map_weights(headers)
+        if mapped:
+            if hasattr(module, "sanitize"):  # as load_model does with mx.load's tensors
+                weights = module.sanitize(weights)
+            module.load_weights(list(weights.items()), strict=True)
     except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
         # Raised by mlx-lm building the model from config.json's values and the weights'
         # names and shapes: what it says is about the directory's files.
@@ -234,6 +274,8 @@ def load(
     chosen = pick_dtype(config, dtype)
     cast_floating(module, chosen)
     weights, weights_why = cpu.prepare(module, cpu_weights, backend(), use_native=native)
+    reading = count_in_place(module, mapped, unavailable)
+    del mapped  # the model holds what it uses; the rest (e.g. a dropped tied head) is freed
     if not lazy:
         mx.async_eval(module.parameters())  # read the weights while the tokenizer loads
     t1 = time.perf_counter()
@@ -250,8 +292,78 @@ def load(
     vocab_size = min(len(tokenizer), logits_dim)
     # weights_s: building the model, plus the part of reading (lazy=False only) that the
     # tokenizer load did not hide.
-    info = {"weights_s": (t1 - t0) + (t3 - t2), "tokenizer_s": t2 - t1}
+    info = {"weights_s": (t1 - t0) + (t3 - t2), "tokenizer_s": t2 - t1, "reading": reading}
     return Model(module, tokenizer, config, path, vocab_size, chosen, info, weights, weights_why)
+
+
+def mapping_unavailable() -> str:
+    """Why weights cannot be mapped here ('' when they can)."""
+    if os.environ.get("SPECMLX_MMAP", "1") == "0":
+        return "SPECMLX_MMAP=0"
+    if mx.metal.is_available() or mx.cuda.is_available():
+        # Their allocators' buffers are device buffers, not [size][data] in host memory;
+        # Metal would need page-aligned no-copy buffers (README, "Loading").
+        return "a GPU build of mlx, whose own loader is kept"
+    from .cpu import native
+
+    if not native.available():
+        return f"native extension unavailable: {native.reason()}"
+    unsupported = getattr(native._ext, "mapping_unsupported", None)
+    if unsupported is None:
+        return "the native extension was built before mapping existed; reinstall specmlx"
+    return unsupported()
+
+
+def map_weights(headers: list[Header]) -> tuple[dict[str, mx.array], list[mx.array], str]:
+    """Every tensor of the files: over a read-only mapping where its offset allows, else
+    read by mx.load (lazily, so only those are copied). Returns (weights, the mapped
+    arrays, ''), or ({}, [], why) when a file cannot be mapped (mx.load reads it all)."""
+    from .cpu import native
+
+    weights: dict[str, mx.array] = {}
+    mapped: list[mx.array] = []
+    for header in headers:
+        names = list(header.tensors)
+        entries = [
+            (t.begin, list(t.shape), SAFETENSORS_DTYPES[t.dtype]) for t in header.tensors.values()
+        ]
+        try:
+            arrays = native._ext.map_tensors(str(header.path), entries)
+        except ValueError as e:  # open/mmap refused, or the file changed since its header
+            read_header(header.path)  # a file cut short since is one line, not a fallback
+            return {}, [], f"mapping {header.path.name} failed ({one_line(e, 120)})"
+        unaligned = mx.load(str(header.path)) if any(a is None for a in arrays) else {}
+        for name, array in zip(names, arrays, strict=True):
+            weights[name] = unaligned[name] if array is None else array
+        mapped += [a for a in arrays if a is not None]
+    return weights, mapped, ""
+
+
+def count_in_place(module: nn.Module, mapped: list[mx.array], unavailable: str) -> dict:
+    """How the model's parameters were read: how many (and bytes) are the mapped arrays
+    themselves, used in place, and how many are copies (read by mx.load, converted by the
+    dtype policy, expanded, or changed by the model's sanitize)."""
+    ids = {id(a) for a in mapped}
+    params = [v for _, v in tree_flatten(module.parameters())]
+    in_place = [v for v in params if id(v) in ids]
+    copied = [v for v in params if id(v) not in ids]
+    return {
+        "how": "mapped" if mapped else "lazy-copy",
+        "why": unavailable,
+        "in_place": len(in_place),
+        "in_place_bytes": sum(v.nbytes for v in in_place),
+        "copied": len(copied),
+        "copied_bytes": sum(v.nbytes for v in copied),
+    }
+
+
+def describe_reading(reading: dict) -> str:
+    """One line's worth: how a model's weights were read (see count_in_place)."""
+    gb = 1e9
+    copied = f"{reading['copied']} tensors copied ({reading['copied_bytes'] / gb:.2f} GB)"
+    if reading["how"] == "mapped":
+        return f"mapped, {reading['in_place_bytes'] / gb:.2f} GB in place, {copied}"
+    return f"mx.load, {copied} ({reading['why']})"
 
 
 def read_tokenizer(path: Path, config: dict) -> Any:

@@ -65,6 +65,7 @@ def startup_lines(target, draft, timings: dict, backend: str) -> list[str]:
         lines.append(f"draft  {draft.describe()} {human_bytes(weight_bytes(draft))}")
     else:
         lines.append("draft  none (plain decoding)")
+    lines.append(f"read   {reading_line(target, draft)}")
     if backend == "cpu":
         from ..cpu import describe
 
@@ -72,6 +73,16 @@ def startup_lines(target, draft, timings: dict, backend: str) -> list[str]:
         lines.append(f"int4   {describe()}")
     lines.append(memory_line())
     return lines
+
+
+def reading_line(target, draft) -> str:
+    """How each model's weights were read: mapped in place, or copied by mx.load, and why."""
+    from ..loading import describe_reading
+
+    models = [("target", target), ("draft", draft)]
+    return " · ".join(
+        f"{role} {describe_reading(m.info['reading'])}" for role, m in models if m is not None
+    )
 
 
 def cpu_path(target, draft) -> str:

@@ -1,6 +1,10 @@
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
+#include "mapped.h"
 #include "mlx/version.h"
 #include "qmm.h"
 #include "softmax.h"
@@ -38,6 +42,17 @@ NB_MODULE(_ext, m) {
       [](const specmlx::mx::array& x) { return specmlx::softmax(x); },
       "x"_a,
       "Softmax over the last axis of a float32 array, on the default CPU stream.");
+  m.def(
+      "map_tensors",
+      &specmlx::map_tensors,
+      "path"_a,
+      "tensors"_a,
+      "Per (offset, shape, dtype): an array over a read-only mapping of path (no copy), or "
+      "None where the offset is not 8-byte aligned.");
+  m.def(
+      "mapping_unsupported",
+      &specmlx::mapping_unsupported,
+      "Why arrays cannot be built over a mapping with this mlx ('' when they can).");
   m.def("threads", &specmlx::threads, "Size of the kernel's thread pool.");
   m.def("set_threads", &specmlx::set_threads, "n"_a, "Resize the kernel's thread pool.");
   m.def("isa", &specmlx::isa, "The instruction set the kernel runs with.");
