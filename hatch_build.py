@@ -22,6 +22,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 from pathlib import Path
 
 try:
@@ -89,10 +90,21 @@ class NativeBuildHook(BuildHookInterface):
             return
         reason = unsupported_reason()
         if reason is None:
+            # pip shows a build hook's output only with -v (its spinner reads "Preparing
+            # editable metadata" meanwhile, as hatchling builds the wheel to get it there).
+            sources = sorted(p.name for p in NATIVE.glob("*.cpp"))
+            self.app.display_info(
+                f"specmlx: compiling the native INT4 CPU kernel ({', '.join(sources)} in "
+                f"{NATIVE.relative_to(ROOT)}, and nanobind's library)"
+            )
+            started = time.monotonic()
             try:
                 built = build_native()
             except (OSError, subprocess.CalledProcessError) as e:
                 reason = f"build failed: {e}"
+            else:
+                seconds = time.monotonic() - started
+                self.app.display_info(f"specmlx: native kernel compiled in {seconds:.0f} s")
         if reason is not None:
             if mode == "1":
                 raise RuntimeError(f"specmlx native kernel: {reason}")
