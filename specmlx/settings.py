@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .errors import SpecmlxError
-from .sampling import SamplingParams
+
+if TYPE_CHECKING:  # imported where used: the CLI reads MAX_GAMMA before mlx is imported
+    from .sampling import SamplingParams
 
 DRAFT_MODES = ("model", "lookup", "auto")
 # The longest round of drafts: auto's policy plans up to it (a Session's max_gamma), and a
@@ -60,6 +64,8 @@ def check_settings(
     draft_mode: str,
 ) -> tuple[SamplingParams, int | str]:
     """Every generation setting checked; the sampling parameters and γ parsed."""
+    from .sampling import SamplingParams
+
     params = SamplingParams(temperature, top_p, top_k)
     check_max_tokens(max_tokens)
     check_draft_mode(draft_mode)

@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 
 from ..errors import SpecmlxError
+from ..settings import MAX_GAMMA
 
 Model = typer.Option(
     None, "--model", "-m", help="Target model: directory, hub id, or tiny (random demo pair)."
@@ -30,8 +31,8 @@ Gamma = typer.Option(
     "auto",
     "--gamma",
     "-g",
-    help="Draft tokens per round: an integer >= 0, or auto (chosen each round from measured "
-    "costs and acceptance; plain decoding where speculation would lose).",
+    help=f"Draft tokens per round: an integer from 0 to {MAX_GAMMA}, or auto (chosen each round "
+    "from measured costs and acceptance; plain decoding where speculation would lose).",
 )
 DraftMode = typer.Option(
     "model",
