@@ -347,3 +347,9 @@ def test_the_servers_num_draft_field_has_the_same_maximum():
     body = {"model": "m", "prompt": "hi", "num_draft": 9}
     with pytest.raises(APIError, match=r"gamma \(-g\) 9 is above the maximum, 8"):
         parse(body, chat=False, defaults=Defaults())
+
+
+@pytest.mark.parametrize("port", ["65536", "-1"])
+def test_serve_refuses_a_port_out_of_range_in_one_line(port, home):
+    run = specmlx("serve", "--model", "tiny", "--port", port, home=home)
+    one_error_line(run, f"--port must be from 0 to 65535 (0: any free one), got {port}")

@@ -83,6 +83,8 @@ def serve(
 
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket, or a one-line error naming the address."""
+    if not 0 <= port <= 65535:  # bind() would raise OverflowError, not an OSError
+        raise SpecmlxError(f"--port must be from 0 to 65535 (0: any free one), got {port}")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
