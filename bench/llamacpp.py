@@ -9,7 +9,7 @@ sample kept: decode of the target alone, prefill of 128 tokens, one pass over k 
 4, 8 tokens, and greedy speculative decoding on HumanEval tune prompts. See
 bench/README.md for what each figure means on each side.
 
-    python bench/llamacpp.py --label NAME          # ~11 min on 2 quiet Zen 5 cores
+    python bench/llamacpp.py --label NAME          # ~13 min on 2 quiet Zen 5 cores (estimated)
     python bench/llamacpp.py --quick --label NAME  # a smoke
 """
 
@@ -76,7 +76,8 @@ def build_dir(version: str, flags: list[str]) -> Path:
 
 def vendored_commit(changelog: str, version: str) -> str | None:
     """The llama.cpp commit llama-cpp-python `version` vendors, from its CHANGELOG's
-    "update llama.cpp to ggml-org/llama.cpp@HASH" (the sdist has no git history)."""
+    "update llama.cpp to ggml-org/llama.cpp@HASH": passed to CMake, so the tools report it
+    where git is missing (0.3.36 ships a one-commit shallow .git, which says the same)."""
     section = re.search(
         rf"^## \[{re.escape(version)}\]\n(.*?)(?=^## \[|\Z)", changelog, re.M | re.S
     )
@@ -206,7 +207,6 @@ def tool_flags(help_text: str) -> dict:
         "spec_type": "draft-simple"
         if first("--spec-type") and "draft-simple" in help_text
         else None,
-        "no_escape": first("--no-escape"),
     }
 
 
@@ -278,14 +278,19 @@ def same_text(a: str, b: str) -> bool:
 
 def run_tool(command: list[str], timeout: float = 900) -> tuple[str, str]:
     """(stdout, stderr) of a llama.cpp tool, or its last error line as a SpecmlxError."""
-    done = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        errors="replace",
-        stdin=subprocess.DEVNULL,
-        timeout=timeout,
-    )
+    try:
+        done = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            errors="replace",
+            stdin=subprocess.DEVNULL,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        raise SpecmlxError(
+            f"{Path(command[0]).name} ran past {timeout:.0f} s; is the machine busy?"
+        ) from None
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise SpecmlxError(f"{Path(command[0]).name} exited {done.returncode}: {last}")
@@ -377,6 +382,10 @@ def _fmt(value: float | None, digits: int = 1, suffix: str = "") -> str:
     return "–" if value is None else f"{value:.{digits}f}{suffix}"
 
 
+def _loads(loads) -> str:
+    return "–" if loads is None else " / ".join(f"{x:.1f}" for x in loads)
+
+
 def _spec_cell(modes: dict, key: str | None) -> tuple[str, str, str, str]:
     """(tok/s with the mode named, vs plain, α, greedy same) of one mode, or dashes."""
     if key is None or key not in modes:
@@ -403,8 +412,8 @@ def markdown(result: dict, summary: dict) -> str:
         f"- llama.cpp {llama.get('llama_cpp_commit')} (build number {llama.get('build_number')}, "
         f"from llama-cpp-python {llama.get('llama_cpp_python')}), mlx {machine['mlx']}, "
         f"specmlx {machine['specmlx']}",
-        f"- load average at start {machine['load_average']}, "
-        f"at end {result.get('load_average_end')}",
+        f"- load average (1, 5, 15 min) at start {_loads(machine['load_average'])}, "
+        f"at end {_loads(result.get('load_average_end'))}",
         f"- {settings['repeat']} repeat(s), interleaved; {settings['tokens']} tokens; "
         f"speculative: {settings['prompts']} HumanEval tune prompt(s), greedy",
         f"- command: `{result['command']}`",

@@ -159,7 +159,6 @@ def test_flag_names_come_from_help_and_a_removed_alias_loses_to_the_new_name(ben
     assert flags["draft_max"] == "--spec-draft-n-max"
     assert flags["draft_threads"] == "--spec-draft-threads"
     assert flags["spec_type"] == "draft-simple"
-    assert flags["no_escape"] == "--no-escape"
 
 
 def test_an_older_build_s_draft_max_flag_is_found(bench):
