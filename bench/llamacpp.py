@@ -1,5 +1,6 @@
-"""specmlx and llama.cpp side by side: the same Qwen2.5-Coder 1.5B/0.5B weights, the same
-threads, interleaved.
+"""specmlx and llama.cpp side by side: the same weights, the same threads, interleaved.
+
+The weights are the offline pair's, Qwen2.5-Coder 1.5B (target) and 0.5B (draft).
 
 llama.cpp is built from the llama-cpp-python sdist on PyPI (it vendors llama.cpp), once
 per CPU, and cached; the GGUFs are the very files specmlx's offline pair is quantized
