@@ -228,9 +228,12 @@ def wheel_source(spec: WheelModel) -> dict:
     (the GGUF assembled from them is not kept: it would be a second copy of their bytes),
     and the command that writes that GGUF again."""
     packages = [f"{p}=={spec.version}" for p in spec.packages]
-    shown = packages[0] if len(packages) == 1 else f"{packages[0]} … {packages[-1]}"
+    if len(packages) == 1:
+        source = f"PyPI wheel {packages[0]}: {spec.description}"
+    else:
+        source = f"PyPI wheels {packages[0]} … {packages[-1]}: {spec.description}, in parts"
     return {
-        "source": f"PyPI wheels {shown}: the GGUF parts of {spec.description}",
+        "source": source,
         "source_packages": packages,
         "source_sha256_of": "the GGUF that the wheels' parts assemble into",
         "source_command": get_source_command(spec),
