@@ -8,6 +8,7 @@ took. Piped stderr gets nothing from here, so logs hold no control characters.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -73,18 +74,26 @@ def conversion(
         bar.stop()  # nothing to erase where it never started
 
 
+# A prefill of one chunk reports nothing in between: its bar is drawn only if the pass
+# is still running this long after it began (one forward pass of a 1.5B model over a
+# chunk takes seconds on a CPU, of a tiny one milliseconds: no flash of a bar for those).
+ONE_CHUNK_AFTER_S = 1.0
+
+
 @contextmanager
 def prefill(
-    console: Console | None, show: bool = True
+    console: Console | None, show: bool = True, one_chunk_after_s: float = ONE_CHUNK_AFTER_S
 ) -> Iterator[Callable[[int, int], None] | None]:
     """An `on_prefill` for specmlx.generate: a bar of prompt tokens taken, on `console`
-    where it is a terminal, for a prefill of more than one chunk; None where nothing would
-    be drawn (no console, not `show`, not a terminal).
+    where it is a terminal; None where nothing would be drawn (no console, not `show`,
+    not a terminal).
 
-    One chunk (caches.PREFILL_STEP tokens) is one forward pass with no point in between
-    to report, and a short wait; past it, on a CPU, a prefill takes seconds per chunk.
-    The bar is erased when the last chunk is in (before the reply streams on stdout,
-    which may be the same terminal) or when the call is left early (Ctrl-C, an error).
+    A prefill of several chunks (caches.PREFILL_STEP tokens each) is drawn at once and
+    advances chunk by chunk; one of a single chunk, only once it has run for
+    `one_chunk_after_s` (a timer thread draws it: the engine calls back between chunks
+    only), where it shows the time elapsed. The bar is erased when the last chunk is in
+    (before the reply streams on stdout, which may be the same terminal) or when the call
+    is left early (Ctrl-C, an error).
     """
     if console is None or not show or not console.is_interactive:
         yield None
@@ -101,20 +110,43 @@ def prefill(
         console=console,
         transient=True,
     )
-    task = None
+    lock = threading.Lock()  # the timer's thread and the engine's both draw
+    state = {"task": None, "timer": None, "over": False}
+
+    def draw(done: int, total: int) -> None:
+        if state["over"]:
+            return
+        if state["task"] is None:
+            bar.start()
+            state["task"] = bar.add_task("prefill", total=total)
+        bar.update(state["task"], completed=done, refresh=True)  # now, not at the next tick
+
+    def late(total: int) -> None:
+        with lock:
+            draw(0, total)
 
     def on_prefill(done: int, total: int) -> None:
-        nonlocal task
-        if total <= PREFILL_STEP:
-            return
-        if task is None:
-            bar.start()
-            task = bar.add_task("prefill", total=total)
-        bar.update(task, completed=done, refresh=True)  # drawn now, not at the next tick
-        if done >= total:
+        with lock:
+            if done >= total:
+                if state["task"] is not None:
+                    draw(done, total)  # the full bar, then erased
+                end()
+            elif done == 0 and total <= PREFILL_STEP:
+                state["timer"] = threading.Timer(one_chunk_after_s, late, (total,))
+                state["timer"].daemon = True
+                state["timer"].start()
+            else:
+                draw(done, total)
+
+    def end() -> None:
+        state["over"] = True
+        if state["timer"] is not None:
+            state["timer"].cancel()
+        if state["task"] is not None:
             bar.stop()
 
     try:
         yield on_prefill
     finally:
-        bar.stop()
+        with lock:
+            end()
