@@ -111,38 +111,42 @@ def prefill(
         transient=True,
     )
     lock = threading.Lock()  # the timer's thread and the engine's both draw
-    state = {"task": None, "timer": None, "over": False}
+    # The task is added when the prefill begins, so that its elapsed time counts from
+    # there; the bar is shown (started) on its first draw.
+    state = {"task": None, "shown": False, "timer": None, "over": False}
 
-    def draw(done: int, total: int) -> None:
+    def draw(done: int) -> None:
         if state["over"]:
             return
-        if state["task"] is None:
+        if not state["shown"]:
             bar.start()
-            state["task"] = bar.add_task("prefill", total=total)
+            state["shown"] = True
         bar.update(state["task"], completed=done, refresh=True)  # now, not at the next tick
 
-    def late(total: int) -> None:
+    def late() -> None:
         with lock:
-            draw(0, total)
+            draw(0)
 
     def on_prefill(done: int, total: int) -> None:
         with lock:
+            if state["task"] is None:
+                state["task"] = bar.add_task("prefill", total=total)
             if done >= total:
-                if state["task"] is not None:
-                    draw(done, total)  # the full bar, then erased
+                if state["shown"]:
+                    draw(done)  # the full bar, then erased
                 end()
             elif done == 0 and total <= PREFILL_STEP:
-                state["timer"] = threading.Timer(one_chunk_after_s, late, (total,))
+                state["timer"] = threading.Timer(one_chunk_after_s, late)
                 state["timer"].daemon = True
                 state["timer"].start()
             else:
-                draw(done, total)
+                draw(done)
 
     def end() -> None:
         state["over"] = True
         if state["timer"] is not None:
             state["timer"].cancel()
-        if state["task"] is not None:
+        if state["shown"]:
             bar.stop()
 
     try:
