@@ -15,7 +15,6 @@ from specmlx.policy.choice import (
     FIRST_BACKOFF,
     FIRST_PROBE,
     MARGIN,
-    REFRESH,
     Scheduler,
 )
 from specmlx.policy.costs import DRAFT_FIGURES, SETTLE, Costs, load_costs, save_costs
@@ -285,17 +284,6 @@ def test_a_new_session_goes_on_from_this_process_t1():
         costs.observe_target(1, 0.15)
     again = Costs.from_json(costs.to_json())
     assert again.settled and again.plain == costs.plain
-
-
-def test_long_speculation_pauses_once_to_remeasure_t1():
-    s = warmed(lambda k: 1 + 0.02 * (k - 1), draft_ratio=0.1, alpha=0.9)
-    for _ in range(REFRESH):
-        g = s.choose().gamma
-        assert g > 0
-        s.record(g, g, verify_s=T1 * 1.1, draft_s=T1 * 0.1 * g, passes=g)
-    assert s.choose().gamma == 0
-    s.record(0, 0, verify_s=T1, draft_s=None, passes=0)
-    assert s.choose().gamma > 0
 
 
 def test_unmeasured_verify_lengths_lie_on_the_median_slope():

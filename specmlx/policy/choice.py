@@ -52,9 +52,6 @@ LOOKUP_PRIOR_WEIGHT = 4.0
 # longest look at a text's α (probe_length picks the cheapest up to it).
 FIRST_PROBE = 3
 COST_PROBE = 2  # draft length of a probe that re-measures the verify cost curve only
-# After this many rounds with drafts in a row, one plain round re-measures T(1), to which
-# every other cost is relative (a stale T(1) would make speculation look better or worse).
-REFRESH = 32
 # Each band's prior, in drafts judged at its middle (at 1: the measured greedy
 # calibration), and the weight its old drafts keep per new one judged in the band.
 CALIBRATION_PRIOR = 8.0
@@ -91,7 +88,6 @@ class Scheduler:
     acceptance: Acceptance = field(default_factory=Acceptance)
     rounds_since_probe: int = 0  # plain rounds since the last with drafts
     drafting: int = 0  # rounds with drafts since the last plain one
-    paused: bool = False  # the last round was plain only to re-measure T(1)
     opening: bool = False  # the next round is a call's first: its token is the target's
     # Which of the costs' calibrations this call reads and teaches: greedy, drafts pass
     # about as often as the target is sure; at T = 1 more often where it is unsure (a
@@ -104,7 +100,6 @@ class Scheduler:
         self.sampling = "sampled" if sampled else "greedy"
         weight = LOOKUP_PRIOR_WEIGHT if self.free_drafts else PRIOR_WEIGHT
         self.acceptance = Acceptance(PRIOR_ALPHA * weight, weight, calibration=self.calibration)
-        self.paused = False
         self.opening = not self.free_drafts
         self.rounds_since_probe = 0
 
@@ -152,14 +147,10 @@ class Scheduler:
         # needs it to lose by as much. A draft model that stops falls behind, and bringing
         # it back costs a pass over every token it missed; going on while the forecast is
         # near even keeps learning this text's α at a small cost.
-        going_on, self.paused = self.drafting > 0 or self.paused, False
-        need = 1 / MARGIN if going_on else MARGIN
+        need = 1 / MARGIN if self.drafting > 0 else MARGIN
         # This text's α, not only a guess: drafts seen, or the target's confidence in it.
         known = self.free_drafts or self.acceptance.seen
         if known and self.pays(rates[0], rates[best], need, remaining):
-            if self.drafting >= REFRESH:
-                self.paused = True
-                return plain
             self.rounds_since_probe = 0
             self.costs.cost_backoff = FIRST_BACKOFF
             return Choice(best, predicted_tps=self.tps(rates[best]))
