@@ -74,7 +74,6 @@ PARTS: dict[str, tuple[Callable[[Scheduler], None] | None, dict]] = {
     "no-calibration": (lambda s: setattr(s, "calibrate", lambda *a, **k: None), {}),
     "no-opening": (_off_opening, {}),
     "no-margin": (None, {(choice, "MARGIN"): 1.0}),
-    "no-refresh": (None, {(choice, "REFRESH"): 10**9}),
     "no-explore": (None, {(choice, "EXPLORE"): 0.0}),
     "no-cost-probes": (_off_cost_probes, {(choice, "FIRST_BACKOFF"): 10**9}),
     "no-catch-up": (_off_catch_up, {}),
@@ -112,7 +111,7 @@ def scenarios() -> dict[str, tuple[dict, list, float]]:
     weak = [(kind, replace(t, accept=[a / 2 for a in t.accept])) for kind, t in greedy]
     out["int4 weak draft"] = (sim.PROFILES["int4"], weak, 0.0)
     out["fp32 weak draft"] = (sim.PROFILES["fp32"], weak, 0.0)
-    # Replies long enough for a drafting streak to outlast REFRESH rounds.
+    # Replies long enough for drafting streaks of dozens of rounds.
     out["int4 long code bursts"] = (sim.PROFILES["int4"], [("code", LONG_CODE)], 0.01)
     out["int4 misread draft"] = (sim.PROFILES["int4"], greedy, 0.0)  # see misread
     out["self-draft"] = (SELF, [("copy", COPY)], 0.0)
