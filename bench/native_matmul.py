@@ -132,15 +132,17 @@ def interleaved_ms(fns: dict[str, Callable[[], mx.array]], reps: int) -> dict[st
 def compare_activations(args) -> list[str]:
     """Table rows: float32 vs int8 x per layer and M, then whole-model passes if asked."""
     lines = [
-        "| layer (N x K) | M | float32 x | int8 x | int8 speedup |",
-        "|---|---:|---:|---:|---:|",
+        "| layer (N x K) | M | float32 x | int8 x | int8 speedup | fp32 matmul, M >= 16 |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     print("\n".join(lines), flush=True)
     for name in ACTIVATION_SHAPES:
         n, k = SHAPES[name]
         mx.random.seed(0)
         w, scales, biases = mx.quantize(mx.random.normal((n, k)), group_size=GROUP_SIZE)
-        mx.eval(w, scales, biases)
+        # what a prefill path on weights dequantized once (--cpu-weights fp32) would cost
+        dense = mx.dequantize(w, scales, biases, group_size=GROUP_SIZE)
+        mx.eval(w, scales, biases, dense)
         for m in ACTIVATION_ROWS:
             x = mx.random.normal((m, k))
             mx.eval(x)
@@ -151,7 +153,10 @@ def compare_activations(args) -> list[str]:
             reps = args.reps if m <= 16 else max(3, args.reps // 3)
             ms = interleaved_ms({mode: call for mode in MODES}, reps)
             f, q = ms["float32"], ms["int8"]
-            row = f"| {name} | {m} | {f:.3f} | {q:.3f} | {f / q:.2f}x |"
+            sgemm = "-"
+            if m >= 16 and blas.active_library():  # MLX's reference BLAS: not a contender
+                sgemm = f"{median_ms(lambda x=x, dense=dense: x @ dense.T, reps):.3f}"
+            row = f"| {name} | {m} | {f:.3f} | {q:.3f} | {f / q:.2f}x | {sgemm} |"
             lines.append(row)
             print(row, flush=True)
     if args.model:
@@ -160,7 +165,9 @@ def compare_activations(args) -> list[str]:
 
 
 def model_passes(args) -> list[str]:
-    """Table rows: one forward pass of the model over k tokens in each mode, and T(k)/T(1)."""
+    """Table rows: one forward pass of the model over k tokens in each mode, and T(k)/T(1),
+    as wall time and as the process's CPU time (which other processes' load inflates less;
+    with several kernel threads it is their sum)."""
     from specmlx.bench import encode
     from specmlx.caches import make_cache, prefill, timed_pass
     from specmlx.loading import load
@@ -169,9 +176,8 @@ def model_passes(args) -> list[str]:
     ids = encode(model, "Write a python function that adds two numbers and explain it.", True)
     cache = make_cache(model.module)
     prefill(model, cache, ids)
-    times: dict[str, dict[int, list[float]]] = {
-        mode: {k: [] for k in PASS_TOKENS} for mode in MODES
-    }
+    wall = {mode: {k: [] for k in PASS_TOKENS} for mode in MODES}
+    cpu = {mode: {k: [] for k in PASS_TOKENS} for mode in MODES}
     for mode in MODES:  # a process's first passes pay one-time work
         native.set_activations(mode)
         for k in PASS_TOKENS:
@@ -180,25 +186,33 @@ def model_passes(args) -> list[str]:
         for k in PASS_TOKENS:
             for mode in MODES:
                 native.set_activations(mode)
-                times[mode][k].append(timed_pass(model, cache, ids[-k:]))
-    ms = {
-        mode: {k: statistics.median(t) * 1e3 for k, t in by_k.items()}
-        for mode, by_k in times.items()
-    }
+                c0 = time.process_time()
+                wall[mode][k].append(timed_pass(model, cache, ids[-k:]))
+                cpu[mode][k].append(time.process_time() - c0)
     lines = [
         "",
         f"whole-model pass over k tokens, {model.name} ({len(ids)}-token prompt cached), "
-        f"median of {args.reps}:",
+        f"median of {args.reps}, {native.threads()} kernel threads:",
         "",
-        "| k | float32 x ms | int8 x ms | int8 speedup | T(k)/T(1) float32 | T(k)/T(1) int8 |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| k | float32 x ms | int8 x ms | int8 speedup | T(k)/T(1) float32 | T(k)/T(1) int8 "
+        "| CPU ms float32 | CPU ms int8 | CPU T(k)/T(1) float32 | CPU T(k)/T(1) int8 |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    med = {
+        name: {
+            mode: {k: statistics.median(t) * 1e3 for k, t in by_k.items()}
+            for mode, by_k in d.items()
+        }
+        for name, d in (("wall", wall), ("cpu", cpu))
+    }
     for k in PASS_TOKENS:
-        f, q = ms["float32"][k], ms["int8"][k]
-        lines.append(
-            f"| {k} | {f:.1f} | {q:.1f} | {f / q:.2f}x | {f / ms['float32'][1]:.2f} | "
-            f"{q / ms['int8'][1]:.2f} |"
-        )
+        cells = []
+        for name in ("wall", "cpu"):
+            f, q = med[name]["float32"][k], med[name]["int8"][k]
+            f1, q1 = med[name]["float32"][1], med[name]["int8"][1]
+            cells.append(f"{f:.1f} | {q:.1f} | " + (f"{f / q:.2f}x | " if name == "wall" else ""))
+            cells.append(f"{f / f1:.2f} | {q / q1:.2f} |")
+        lines.append(f"| {k} | " + " ".join(cells))
     print("\n".join(lines), flush=True)
     return lines
 
@@ -224,6 +238,7 @@ def main() -> None:
             f"command: python {' '.join(sys.argv)}",
             f"cpu: {cpu_name()}, {os.cpu_count()} logical CPUs; kernel: {native.describe()}; "
             f"int8 tiles: {native._ext.q8_kernel()}",
+            f"fp32 matmul BLAS: {blas.active_library() or 'MLX bundled (reference BLAS)'}",
             f"mlx {mx.__version__}; INT4 g{GROUP_SIZE}, float32 scales; ms per call, median of "
             f"{args.reps} (M <= 16) / {max(3, args.reps // 3)} (M > 16), the modes interleaved",
             "note: taken on a shared, noisy machine; compare the modes within a row",

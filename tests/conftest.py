@@ -11,6 +11,7 @@ import tempfile
 import pytest
 
 import specmlx
+from specmlx.cpu import native
 from specmlx.paths import home
 from specmlx.tiny import build_tiny_model
 
@@ -23,6 +24,13 @@ os.environ.setdefault("SPECMLX_MODEL", "tiny")
 os.environ.setdefault("SPECMLX_REAL_HOME", str(home()))
 os.environ["SPECMLX_HOME"] = tempfile.mkdtemp(prefix="specmlx-test-home-")
 atexit.register(shutil.rmtree, os.environ["SPECMLX_HOME"], ignore_errors=True)
+# The suite checks the native kernel against mx.quantized_matmul to float32 rounding, so it
+# runs the float32-activation kernel; the default, int8 x, has tests/test_native_int8.py.
+# Importing specmlx.cpu.native above already read the variable: set the mode too, not
+# just the environment that subprocesses inherit.
+os.environ.setdefault("SPECMLX_ACTIVATIONS", "float32")
+if native.available():
+    native.set_activations(os.environ["SPECMLX_ACTIVATIONS"])
 
 
 @pytest.fixture(scope="session")
