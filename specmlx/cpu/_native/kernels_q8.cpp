@@ -108,24 +108,40 @@ void tile_q8_scalar(const QmmJob& j, int n, int rows, int m0, int mt) {
 }
 
 // ---------------------------------------------------------------------------------------
-// AVX-512 VNNI: a chunk is 64 bytes (128 codes, 1-4 groups). Per row of x and output row:
-// two vpdpbusd, one convert, one multiply (s * d) and one FMA per 128 weights. Two output
-// rows share every x load, MT rows of x share every decoded chunk.
-constexpr int kVnniMaxRows = 8;  // 2 * 8 accumulators + 4 code registers + temporaries
+// AVX-512 VNNI: a chunk is 64 bytes (128 codes, 1-4 groups). Per row of x and output row,
+// two vpdpbusd leave 16 int32 lanes of 8-code sums; a 128-bit quarter of them is one x
+// block (32 codes) and so one weight group too. The two output rows' lanes are then folded
+// into one register (unpack low/high and add, within quarters: lanes alternate between
+// the rows, each a 16-code sum of one block), so the float work (convert, s * d, FMA) is
+// done once per row pair, not per row. Even lanes accumulate the first output row, odd
+// lanes the second; MT rows of x share every decoded chunk.
+constexpr int kVnniMaxRows = 8;  // 8 accumulators + 4 code registers + temporaries
 
-// Lane l of a chunk sums codes 8l..8l+7: its scale is the chunk's group 8l/GS.
+// The chunk's scales for lanes laid out as above: quarter q holds group 32q/GS of the
+// chunk, lanes alternate between the two output rows (16 + g picks row 1's group g).
 template <int GS>
-SPECMLX_VNNI512 inline __m512 lane_scales512(const void* p, size_t i, ScaleType t, int count) {
-  if constexpr (GS == 128) {
-    return _mm512_set1_ps(scale_at(p, i, t));
-  } else if constexpr (GS == 64) {
-    const float hi = count > 1 ? scale_at(p, i + 1, t) : 0.0f;
-    return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(scale_at(p, i, t)), _mm512_set1_ps(hi));
-  } else {
-    const auto s = scales_from<4>(p, i, t, count);
-    const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(s.data())));
+constexpr int pair_lane(int l) {
+  return (l % 2) * 16 + (l / 4) * 32 / GS;
+}
+
+template <int GS>
+SPECMLX_VNNI512 inline __m512 pair_scales512(
+    const void* p, size_t i0, size_t i1, ScaleType t, int count) {
+  const __m512i idx = _mm512_setr_epi32(
+      pair_lane<GS>(0), pair_lane<GS>(1), pair_lane<GS>(2), pair_lane<GS>(3), pair_lane<GS>(4),
+      pair_lane<GS>(5), pair_lane<GS>(6), pair_lane<GS>(7), pair_lane<GS>(8), pair_lane<GS>(9),
+      pair_lane<GS>(10), pair_lane<GS>(11), pair_lane<GS>(12), pair_lane<GS>(13),
+      pair_lane<GS>(14), pair_lane<GS>(15));
+  if (t == ScaleType::f32) {
+    const __mmask16 valid = __mmask16((1u << count) - 1);
+    const float* f = static_cast<const float*>(p);
+    return _mm512_permutex2var_ps(
+        _mm512_maskz_loadu_ps(valid, f + i0), idx, _mm512_maskz_loadu_ps(valid, f + i1));
   }
+  const auto a = scales_from<4>(p, i0, t, count), b = scales_from<4>(p, i1, t, count);
+  return _mm512_permutex2var_ps(
+      _mm512_castps128_ps512(_mm_loadu_ps(a.data())), idx,
+      _mm512_castps128_ps512(_mm_loadu_ps(b.data())));
 }
 
 template <int MT, int GS>
@@ -143,10 +159,9 @@ SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n, int rows, int m0) {
   const float* xd = j.xd + size_t(m0) * j.ldd;
   const __m512i low4 = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
 
-  __m512 acc0[MT], acc1[MT];
+  __m512 acc[MT];
   for (int m = 0; m < MT; ++m) {
-    acc0[m] = _mm512_setzero_ps();
-    acc1[m] = _mm512_setzero_ps();
+    acc[m] = _mm512_setzero_ps();
   }
   for (int c = 0; c < chunks; ++c) {
     _mm_prefetch(reinterpret_cast<const char*>(w0 + (c + 4) * kBytes), _MM_HINT_T0);
@@ -159,36 +174,39 @@ SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n, int rows, int m0) {
     const __m512i lo1 = _mm512_and_si512(b1, low4);
     const __m512i hi1 = _mm512_and_si512(_mm512_srli_epi16(b1, 4), low4);
     const int g0 = c * kGroups, count = std::min(kGroups, groups - g0);
-    const __m512 sc0 = lane_scales512<GS>(j.scales, s0 + g0, j.stype, count);
-    const __m512 sc1 = lane_scales512<GS>(j.scales, s1 + g0, j.stype, count);
+    const __m512 sc = pair_scales512<GS>(j.scales, s0 + g0, s1 + g0, j.stype, count);
     for (int m = 0; m < MT; ++m) {
       const int8_t* q = xq + size_t(m) * j.ldq + c * kCodes;
       const __m512i xl = _mm512_loadu_si512(q);
       const __m512i xh = _mm512_loadu_si512(q + kBytes);
-      const __m512 d = _mm512_loadu_ps(xd + size_t(m) * j.ldd + c * 16);
+      const __m512 d = _mm512_loadu_ps(xd + size_t(m) * j.ldd + c * 16);  // one d per quarter
       const __m512i i0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo0, xl), hi0, xh);
       const __m512i i1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo1, xl), hi1, xh);
-      acc0[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(sc0, d), acc0[m]);
-      acc1[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(sc1, d), acc1[m]);
+      const __m512i both = _mm512_add_epi32(_mm512_unpacklo_epi32(i0, i1), _mm512_unpackhi_epi32(i0, i1));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(both), _mm512_mul_ps(sc, d), acc[m]);
     }
   }
-  // The bias term: b . (sum of d * q per group), 16 groups per step; xs is zero-padded.
-  for (int g = 0; g < groups; g += 16) {
-    const int count = std::min(16, groups - g);
-    const auto b0 = scales_from<16>(j.biases, s0 + g, j.stype, count);
-    const auto b1 = scales_from<16>(j.biases, s1 + g, j.stype, count);
-    const __m512 bv0 = _mm512_loadu_ps(b0.data()), bv1 = _mm512_loadu_ps(b1.data());
+  // The bias term: b . (sum of d * q per group), 8 groups per step, in the same
+  // alternating lanes; xs is zero-padded.
+  const __m512i pick = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  for (int g = 0; g < groups; g += 8) {
+    const int count = std::min(8, groups - g);
+    const auto b0 = scales_from<8>(j.biases, s0 + g, j.stype, count);
+    const auto b1 = scales_from<8>(j.biases, s1 + g, j.stype, count);
+    const __m512 bv = _mm512_permutex2var_ps(
+        _mm512_castps256_ps512(_mm256_loadu_ps(b0.data())), pick,
+        _mm512_castps256_ps512(_mm256_loadu_ps(b1.data())));
     for (int m = 0; m < MT; ++m) {
-      const __m512 xs = _mm512_loadu_ps(j.xs + size_t(m0 + m) * j.ldg + g);
-      acc0[m] = _mm512_fmadd_ps(bv0, xs, acc0[m]);
-      acc1[m] = _mm512_fmadd_ps(bv1, xs, acc1[m]);
+      const __m256 xs = _mm256_loadu_ps(j.xs + size_t(m0 + m) * j.ldg + g);
+      acc[m] = _mm512_fmadd_ps(bv, _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(xs)), acc[m]);
     }
   }
   for (int m = 0; m < MT; ++m) {
     float* y = j.y + size_t(m0 + m) * j.N;
-    y[n] = _mm512_reduce_add_ps(acc0[m]);
+    y[n] = _mm512_mask_reduce_add_ps(0x5555, acc[m]);
     if (rows == 2) {
-      y[n1] = _mm512_reduce_add_ps(acc1[m]);
+      y[n1] = _mm512_mask_reduce_add_ps(0xAAAA, acc[m]);
     }
   }
 }
