@@ -160,6 +160,7 @@ SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n, int rows, int m0) {
   const __m512i low4 = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
 
   __m512 acc[MT];
+  #pragma GCC unroll 16
   for (int m = 0; m < MT; ++m) {
     acc[m] = _mm512_setzero_ps();
   }
@@ -175,6 +176,7 @@ SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n, int rows, int m0) {
     const __m512i hi1 = _mm512_and_si512(_mm512_srli_epi16(b1, 4), low4);
     const int g0 = c * kGroups, count = std::min(kGroups, groups - g0);
     const __m512 sc = pair_scales512<GS>(j.scales, s0 + g0, s1 + g0, j.stype, count);
+    #pragma GCC unroll 16
     for (int m = 0; m < MT; ++m) {
       const int8_t* q = xq + size_t(m) * j.ldq + c * kCodes;
       const __m512i xl = _mm512_loadu_si512(q);
@@ -197,11 +199,13 @@ SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n, int rows, int m0) {
     const __m512 bv = _mm512_permutex2var_ps(
         _mm512_castps256_ps512(_mm256_loadu_ps(b0.data())), pick,
         _mm512_castps256_ps512(_mm256_loadu_ps(b1.data())));
+    #pragma GCC unroll 16
     for (int m = 0; m < MT; ++m) {
       const __m256 xs = _mm256_loadu_ps(j.xs + size_t(m0 + m) * j.ldg + g);
       acc[m] = _mm512_fmadd_ps(bv, _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(xs)), acc[m]);
     }
   }
+  #pragma GCC unroll 16
   for (int m = 0; m < MT; ++m) {
     float* y = j.y + size_t(m0 + m) * j.N;
     y[n] = _mm512_mask_reduce_add_ps(0x5555, acc[m]);
@@ -255,6 +259,7 @@ SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n, int rows, int m0) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
 
   __m256 acc0[MT], acc1[MT];
+  #pragma GCC unroll 16
   for (int m = 0; m < MT; ++m) {
     acc0[m] = _mm256_setzero_ps();
     acc1[m] = _mm256_setzero_ps();
@@ -270,6 +275,7 @@ SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n, int rows, int m0) {
     const int g0 = c * kCodes / GS, count = std::min(std::max(1, kCodes / GS), groups - g0);
     const __m256 sc0 = lane_scales256<GS>(j.scales, s0 + g0, j.stype, count);
     const __m256 sc1 = lane_scales256<GS>(j.scales, s1 + g0, j.stype, count);
+    #pragma GCC unroll 16
     for (int m = 0; m < MT; ++m) {
       const int8_t* q = xq + size_t(m) * j.ldq + c * kCodes;
       const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
@@ -287,12 +293,14 @@ SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n, int rows, int m0) {
     const auto b0 = scales_from<8>(j.biases, s0 + g, j.stype, count);
     const auto b1 = scales_from<8>(j.biases, s1 + g, j.stype, count);
     const __m256 bv0 = _mm256_loadu_ps(b0.data()), bv1 = _mm256_loadu_ps(b1.data());
+    #pragma GCC unroll 16
     for (int m = 0; m < MT; ++m) {
       const __m256 xs = _mm256_loadu_ps(j.xs + size_t(m0 + m) * j.ldg + g);
       acc0[m] = _mm256_fmadd_ps(bv0, xs, acc0[m]);
       acc1[m] = _mm256_fmadd_ps(bv1, xs, acc1[m]);
     }
   }
+  #pragma GCC unroll 16
   for (int m = 0; m < MT; ++m) {
     float* y = j.y + size_t(m0 + m) * j.N;
     y[n] = hsum256(acc0[m]);
