@@ -1,17 +1,34 @@
-"""Cold start of `specmlx generate` vs `mlx_lm generate`: process launch to first token.
+"""Cold start: process launch to both models ready and to the first token, and the memory
+a loaded pair holds, for specmlx with its weights mapped and with them copied (mx.load),
+mlx-lm, and llama.cpp when a build is cached.
 
-Each run is a fresh subprocess that generates ONE token from a short prompt (greedy, same
-target and draft for both tools), so its wall time is interpreter + imports + tokenizer +
-weights + prefill + first token (+ exit). The tools alternate run by run and the figures
-are medians, so a busy moment on a shared machine lands on both alike. specmlx's own
---json breakdown (imports, weights, tokenizer, first forward) is kept for each run.
+Start-up: each run is a fresh subprocess that generates ONE token from a short prompt
+(greedy, same target and draft for every tool), so its wall time is interpreter + imports
++ tokenizer + weights + prefill + first token (+ exit). specmlx's own --json breakdown
+(ready = process start to both models ready, first token, and the parts) is kept for
+each run. mlx-lm is timed loading the pair (`mlx_lm.load` of both, weights evaluated) and
+exiting, not to its first token: its bf16 activations make INT4 on x86 CPUs minutes per
+token (bench/results/cold_start_qwen2.5-coder-1.5b+0.5b.md). llama.cpp (mmap-loaded GGUFs,
+its default) runs `llama-speculative -n 1` when bench/llamacpp.py has built it and the
+pair's GGUFs are at $SPECMLX_HOME/gguf. The variants alternate run by run (the order
+reverses every other run) and the figures are medians, so a busy moment on a shared
+machine lands on all alike.
 
-Page cache: "warm" runs follow a run that read the same files; "dropped" runs start
+Page cache: "warm" runs follow runs that read the same files; "dropped" runs each start
 after `sync; echo 3 > /proc/sys/vm/drop_caches` (root on Linux only; skipped otherwise),
 so the weights AND the Python packages come from disk, as on the first run after a boot.
 
+Memory (--memory): two processes load the same pair at once and decode a few tokens with
+drafts (so every weight page of both models has been touched), then wait; while both are
+alive each one's anonymous (private) RSS, file-backed RSS and proportional set size (PSS,
+/proc/PID/smaps_rollup: a shared page split between the processes that map it, other
+processes on the same files included) are read, against the bytes of the pair's
+safetensors files. "Both" is the two processes' private pages plus one copy of the
+largest file-backed set: what the pair of processes costs the machine.
+
     python bench/cold_start.py                     # the tiny demo pair
-    python bench/cold_start.py --model DIR --draft DIR --runs 3 --out bench/results/cold_start_X
+    python bench/cold_start.py --model DIR --draft DIR --runs 3 --memory \
+        --out bench/results/cold_start_X
 """
 
 from __future__ import annotations
@@ -27,6 +44,25 @@ import time
 from pathlib import Path
 
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+LLAMA_BUILDS = Path.home() / ".cache/specmlx/llama.cpp"
+MB = 1024 * 1024
+
+# Loads the pair as `specmlx generate` does, decodes a few tokens with two drafts a round
+# (auto could keep the draft idle, leaving its pages untouched), says so, and waits for
+# stdin to close: the memory a ready process holds, read from outside while it waits.
+LOAD_AND_WAIT = """
+import sys
+from specmlx.cli.options import load_pair
+from specmlx.engine import encode_prompt, generate
+target, draft = load_pair(sys.argv[1], sys.argv[2], False, "auto", lambda line: None)
+ids = encode_prompt(target, "def")
+steps = generate(target, ids, draft, max_tokens=4, temperature=0, num_draft=2)
+print([s.token for s in steps], target.info["reading"]["how"], flush=True)
+sys.stdin.read()
+"""
+# specmlx's two ways of reading weights (specmlx/loading.py), by its environment switch.
+READINGS = {"specmlx mapped": {"SPECMLX_MMAP": "1"}, "specmlx lazy-copy": {"SPECMLX_MMAP": "0"}}
+MLX_LM_LOAD = "import sys; from mlx_lm import load; [load(path) for path in sys.argv[1:]]"
 
 
 def drop_page_cache() -> bool:
@@ -39,23 +75,40 @@ def drop_page_cache() -> bool:
         return False
 
 
-def commands(model: str, draft: str | None, prompt: str) -> dict[str, list[str]]:
+def llama_speculative() -> Path | None:
+    """The newest cached llama.cpp build's llama-speculative, if bench/llamacpp.py made one."""
+    found = sorted(LLAMA_BUILDS.glob("*/bin/llama-speculative"), key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
+
+
+def gguf_for(model: str) -> Path | None:
+    from specmlx.paths import home
+
+    path = home() / "gguf" / f"{Path(model).name}.gguf"
+    return path if path.is_file() else None
+
+
+def variants(model: str, draft: str | None, prompt: str) -> dict[str, tuple[list[str], dict]]:
+    """name -> (argv, environment changes)."""
     specmlx = [sys.executable, "-m", "specmlx", "generate", "--model", model, "--prompt", prompt]
     # No chat template: a prompt of a few tokens, since prefill is not what is measured.
     specmlx += ["--max-tokens", "1", "--temperature", "0", "--raw", "--json"]
-    mlx_lm = [sys.executable, "-m", "mlx_lm", "generate", "--model", model, "--prompt", prompt]
-    mlx_lm += ["--max-tokens", "1", "--temp", "0", "--ignore-chat-template"]
-    if draft:
-        specmlx += ["--draft", draft]
-        mlx_lm += ["--draft-model", draft]
-    else:
-        specmlx += ["--no-draft"]
-    return {"specmlx": specmlx, "mlx_lm": mlx_lm}
+    specmlx += ["--draft", draft] if draft else ["--no-draft"]
+    runs = {name: (specmlx, env) for name, env in READINGS.items()}
+    runs["mlx_lm load"] = ([sys.executable, "-c", MLX_LM_LOAD, model, *([draft] * bool(draft))], {})
+    binary = llama_speculative()
+    ggufs = [gguf_for(model), gguf_for(draft)] if draft else []
+    if binary and ggufs and all(ggufs):
+        threads = str(len(os.sched_getaffinity(0)))
+        llama = [str(binary), "-m", str(ggufs[0]), "-md", str(ggufs[1]), "-p", prompt]
+        llama += ["-n", "1", "--temp", "0", "-t", threads, "-td", threads, "-c", "512"]
+        runs["llama.cpp speculative"] = (llama, {})
+    return runs
 
 
-def timed_run(argv: list[str]) -> dict:
+def timed_run(argv: list[str], env: dict) -> dict:
     start = time.perf_counter()
-    done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ})
+    done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, **env})
     wall = time.perf_counter() - start
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(argv[:5])} ... failed:\n{done.stderr[-2000:]}")
@@ -65,8 +118,8 @@ def timed_run(argv: list[str]) -> dict:
     return run
 
 
-def median_of(runs: list[dict], key: str) -> float:
-    return statistics.median(r["specmlx"][key] for r in runs)
+def median(values) -> float:
+    return statistics.median(values)
 
 
 def summarize(results: dict) -> list[str]:
@@ -74,16 +127,70 @@ def summarize(results: dict) -> list[str]:
     for cache, tools in results.items():
         if not tools:
             continue
-        s, m = tools["specmlx"], tools["mlx_lm"]
-        ws, wm = (statistics.median(r["wall_s"] for r in t) for t in (s, m))
-        lines.append(
-            f"{cache:>8} cache: specmlx {ws:.2f} s · mlx_lm {wm:.2f} s (launch → 1 token → exit, "
-            f"median of {len(s)})"
+        lines.append(f"{cache} page cache (medians of {len(next(iter(tools.values())))}):")
+        for tool, runs in tools.items():
+            line = f"  {tool:<22} launch → exit {median(r['wall_s'] for r in runs):5.2f} s"
+            if "specmlx" in runs[0]:
+                t = [r["specmlx"] for r in runs]
+                parts = ["interpreter_s", "import_s", "tokenizer_s", "weights_s"]
+                line += (
+                    f" · ready {median(x['cold_start_s'] for x in t):.2f} s"
+                    f" · first token {median(x['first_token_s'] for x in t):.2f} s ("
+                    + " · ".join(f"{p[:-2]} {median(x[p] for x in t):.2f}" for p in parts)
+                    + f" · first forward {median(x['first_forward_s'] for x in t):.2f})"
+                )
+            lines.append(line)
+    return lines
+
+
+def status_kb(pid: int, path: str, keys: tuple[str, ...]) -> dict[str, int]:
+    values = {}
+    for line in Path(f"/proc/{pid}/{path}").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in keys:
+            values[key] = int(rest.split()[0])
+    return values
+
+
+def memory_of_two(model: str, draft: str, env: dict) -> dict:
+    """Two processes on the same pair at once, both ready: each one's RSS split and PSS."""
+    argv = [sys.executable, "-c", LOAD_AND_WAIT, model, draft]
+    procs = [
+        subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **env},
         )
-        parts = ["interpreter_s", "import_s", "tokenizer_s", "weights_s", "first_forward_s"]
-        shown = " · ".join(f"{p[:-2]} {median_of(s, p):.2f}" for p in parts)
-        first = median_of(s, "first_token_s")
-        lines.append(f"{'':>16}specmlx parts: {shown} · first token {first:.2f} s")
+        for _ in range(2)
+    ]
+    said = [p.stdout.readline().strip() for p in procs]
+    if not all(said):
+        raise SystemExit("a loading process exited before it was ready")
+    each = []
+    for p in procs:
+        status = status_kb(p.pid, "status", ("VmRSS", "RssAnon", "RssFile"))
+        rollup = status_kb(p.pid, "smaps_rollup", ("Pss", "Pss_Anon", "Pss_File"))
+        each.append({k: v * 1024 for k, v in {**status, **rollup}.items()})
+    for p in procs:
+        p.stdin.close()
+        p.wait()
+    return {"said": said, "processes": each, "pss_total": sum(e["Pss"] for e in each)}
+
+
+def memory_lines(memory: dict, weights_bytes: int) -> list[str]:
+    lines = [f"memory, two processes on the pair at once (weights: {weights_bytes / MB:.0f} MB):"]
+    for name, m in memory.items():
+        anon = median(e["RssAnon"] for e in m["processes"])
+        rss = median(e["VmRSS"] for e in m["processes"])
+        both = sum(e["RssAnon"] for e in m["processes"])
+        both += max(e["RssFile"] for e in m["processes"])
+        lines.append(
+            f"  {name:<22} private (anon) RSS {anon / MB:5.0f} MB each "
+            f"({anon / weights_bytes:.0%} of the weights) · RSS {rss / MB:5.0f} MB each · "
+            f"both {both / MB:5.0f} MB · PSS sum {m['pss_total'] / MB:5.0f} MB"
+        )
     return lines
 
 
@@ -93,8 +200,11 @@ def main() -> None:
     parser.add_argument("--draft", help="draft model dir (default: the demo draft)")
     parser.add_argument("--no-draft", action="store_true", help="target alone")
     parser.add_argument("--prompt", default="Hi", help="keep it short: prefill is not the point")
-    parser.add_argument("--runs", type=int, default=5, help="runs per tool and cache state")
+    parser.add_argument(
+        "--runs", type=int, default=5, help="runs per variant and cache state (0: --memory only)"
+    )
     parser.add_argument("--no-drop", action="store_true", help="warm page cache only")
+    parser.add_argument("--memory", action="store_true", help="also two processes' memory")
     parser.add_argument("--out", help="write OUT.json and OUT.md")
     args = parser.parse_args()
 
@@ -105,25 +215,33 @@ def main() -> None:
     else:
         target, draft = args.model, args.draft
     draft = None if args.no_draft else draft
-    argvs = commands(target, draft, args.prompt)
+    runs_of = variants(target, draft, args.prompt)
 
     results: dict[str, dict[str, list]] = {"warm": {}, "dropped": {}}
     can_drop = not args.no_drop and drop_page_cache()
     for cache in ("warm", "dropped"):
-        if cache == "dropped" and not can_drop:
+        if args.runs == 0 or (cache == "dropped" and not can_drop):
             continue
-        runs: dict[str, list] = {"specmlx": [], "mlx_lm": []}
+        runs: dict[str, list] = {name: [] for name in runs_of}
         if cache == "warm":
-            for argv in argvs.values():  # fill the page cache (and __pycache__)
-                timed_run(argv)
+            for argv, env in runs_of.values():  # fill the page cache (and __pycache__)
+                timed_run(argv, env)
         for i in range(args.runs):
-            order = list(argvs) if i % 2 == 0 else list(reversed(argvs))
-            for tool in order:
+            order = list(runs_of) if i % 2 == 0 else list(reversed(runs_of))
+            for name in order:
                 if cache == "dropped":
                     drop_page_cache()
-                runs[tool].append(timed_run(argvs[tool]))
+                runs[name].append(timed_run(*runs_of[name]))
         results[cache] = runs
         print("\n".join(summarize({cache: runs})), flush=True)
+
+    memory, weights_bytes = {}, 0
+    if args.memory and draft:
+        files = [f for d in (target, draft) for f in Path(d).glob("model*.safetensors")]
+        weights_bytes = sum(f.stat().st_size for f in files)
+        for name, env in READINGS.items():
+            memory[name] = memory_of_two(target, draft, env)
+        print("\n".join(memory_lines(memory, weights_bytes)), flush=True)
 
     if args.out:
         meta = {
@@ -131,19 +249,35 @@ def main() -> None:
             "model": target,
             "draft": draft,
             "prompt": args.prompt,
-            "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cpus",
+            "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cpus, "
+            f"{cpu_name()}",
             "page_cache_dropped": can_drop,
             "git": subprocess.run(
                 ["git", "describe", "--always", "--dirty"], capture_output=True, text=True
             ).stdout.strip(),
             "load_average_at_end": os.getloadavg(),
         }
-        out = Path(args.out)
-        out.with_suffix(".json").write_text(json.dumps({**meta, "runs": results}, indent=1))
+        out = Path(args.out)  # a name like cold_start_qwen2.5-coder: no suffix to replace
+        record = {**meta, "runs": results, "memory": memory, "weights_bytes": weights_bytes}
+        write_atomically(out.with_name(out.name + ".json"), json.dumps(record, indent=1))
         md = [f"# Cold start: `{meta['command']}`", ""]
         md += [f"- {k}: {v}" for k, v in meta.items() if k != "command"]
-        md += ["", "```", *summarize(results), "```", ""]
-        out.with_suffix(".md").write_text("\n".join(md))
+        body = summarize(results) + (memory_lines(memory, weights_bytes) if memory else [])
+        md += ["", "```", *body, "```", ""]
+        write_atomically(out.with_name(out.name + ".md"), "\n".join(md))
+
+
+def write_atomically(path: Path, text: str) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    partial.replace(path)
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
 
 
 if __name__ == "__main__":

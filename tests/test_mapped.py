@@ -135,6 +135,22 @@ def test_a_mapped_tensor_is_never_written_through(tmp_path):
     assert hashlib.sha256(file.read_bytes()).hexdigest() == before
 
 
+def test_a_mapped_tensor_made_contiguous_is_shared_not_copied(tmp_path):
+    """mx.contiguous (which the native kernel calls on its weights) shares a row-contiguous
+    buffer only when the buffer's recorded size fits the output: a mapped tensor must
+    carry its true size, or every call would copy the weight."""
+    file = tmp_path / "w.safetensors"
+    mx.random.seed(2)
+    write_safetensors(file, {"w": mx.random.normal((1024, 1024))})  # 4 MiB
+    weights, _, _ = loading.map_weights([read_header(file)])
+    mx.eval(mx.zeros((1,)))
+    before = mx.get_active_memory()
+    shared = mx.contiguous(weights["w"])
+    mx.eval(shared)
+    assert mx.get_active_memory() - before < weights["w"].nbytes // 4
+    assert mx.array_equal(shared, weights["w"]).item()
+
+
 def test_a_range_past_the_end_of_the_file_is_refused_not_faulted(tmp_path):
     file = tmp_path / "w.safetensors"
     write_safetensors(file, sample_tensors())

@@ -1,16 +1,20 @@
 // Arrays over a mapped file. MLX 0.32's `array(void*, shape, dtype, deleter)` copies on the
 // CPU (its CPU allocator's make_buffer makes no buffer from a foreign pointer), so the
 // arrays are built from an allocator::Data instead: a Buffer plus a deleter that drops a
-// shared reference to the mapping. The CPU-only build's Buffer points at an 8-byte size
-// header, and raw_ptr() (what array::data() reads) is that pointer + 8: a tensor at offset
-// o is a Buffer at o - 8. The header bytes there are the file's (the end of the tensor
-// before, or of the JSON header: every tensor starts at least 8 bytes into the file), so
-// what allocator().size() would read is garbage. Only two things read it, checked against
-// mlx 0.32's sources: donation (is_donatable(in, out)), which first asks in.is_donatable(),
-// false for Data that the allocator does not own, and Contiguous::eval_cpu, where a garbage
-// size only decides between sharing the buffer and copying it (both correct). No op writes
-// to an input it may not donate, and the mapping is PROT_READ, so a write would fault
-// rather than change the file's pages.
+// reference to the tensor's mapping.
+//
+// The CPU-only build lays a buffer out as [size_t size][data]: Buffer points at the size,
+// raw_ptr() (what array::data() reads) is that pointer + 8, and allocator().size() reads
+// the size. It must be right: Contiguous::eval_cpu (mx::contiguous, which the native
+// kernel calls on its weights) shares an input's buffer only when that size is at most
+// the output's bytes + 16 KiB, and copies the whole input otherwise, so a wrong size
+// would copy every weight at every call (3x slower decoding, measured). In the file the 8
+// bytes before a tensor are the end of the one before it (or of the JSON header), so each
+// tensor gets a private (copy-on-write) mapping of its own pages, the tensor's byte count
+// is written in front of it there (one page per tensor becomes private: 4 KiB), and the
+// mapping is then made read-only. The other thing that reads the size, donation
+// (is_donatable(in, out)), first asks in.is_donatable(), which is false for Data that the
+// allocator does not own: no op writes into a mapped tensor, and a write would fault.
 #include "mapped.h"
 
 #include <fcntl.h>
@@ -22,6 +26,8 @@
 #include <cstring>
 #include <memory>
 #include <stdexcept>
+#include <thread>
+#include <utility>
 
 namespace specmlx {
 namespace {
@@ -33,8 +39,18 @@ struct Mapping {
   Mapping(const Mapping&) = delete;
   Mapping& operator=(const Mapping&) = delete;
   ~Mapping() {
-    if (base != nullptr) {
-      munmap(base, size);
+    munmap(base, size);
+  }
+};
+
+struct File {
+  int fd = -1;
+  explicit File(const std::string& path) : fd(open(path.c_str(), O_RDONLY | O_CLOEXEC)) {}
+  File(const File&) = delete;
+  File& operator=(const File&) = delete;
+  ~File() {
+    if (fd >= 0) {
+      close(fd);  // the mappings keep the file open
     }
   }
 };
@@ -43,41 +59,64 @@ std::string errno_text(const std::string& what, const std::string& path) {
   return what + " " + path + ": " + std::strerror(errno);
 }
 
-std::shared_ptr<Mapping> map_file(const std::string& path) {
-  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    throw std::invalid_argument(errno_text("cannot open", path));
+uint64_t tensor_bytes(const std::string& path, const std::vector<int32_t>& dims, mx::Dtype dtype) {
+  uint64_t elements = 1;
+  for (int32_t d : dims) {
+    if (d < 0 || (d > 0 && elements > UINT64_MAX / static_cast<uint64_t>(d))) {
+      throw std::invalid_argument("a tensor shape of " + path + " is negative or overflows");
+    }
+    elements *= static_cast<uint64_t>(d);
   }
-  struct stat st {};
-  if (fstat(fd, &st) != 0) {
-    int saved = errno;
-    close(fd);
-    errno = saved;
-    throw std::invalid_argument(errno_text("cannot stat", path));
+  if (elements > UINT64_MAX / mx::size_of(dtype)) {
+    throw std::invalid_argument("a tensor shape of " + path + " overflows");
   }
-  size_t size = static_cast<size_t>(st.st_size);
-  if (size == 0) {
-    close(fd);
-    throw std::invalid_argument(path + " is empty");
-  }
-  void* base = mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
-  int saved = errno;
-  close(fd);  // the mapping keeps the file open
+  return elements * mx::size_of(dtype);
+}
+
+// The pages holding [offset - 8, offset + bytes), privately mapped, with `bytes` written in
+// the 8 bytes before the tensor: an allocator-shaped buffer whose data is the file's.
+// Returns the mapping and where the tensor's data lies in it.
+std::pair<std::shared_ptr<Mapping>, char*> map_tensor(
+    const std::string& path, int fd, uint64_t offset, uint64_t bytes) {
+  static const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  const uint64_t header = offset - sizeof(size_t);
+  const uint64_t start = header / page * page;
+  const size_t length = static_cast<size_t>(offset + bytes - start);
+  void* base = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, static_cast<off_t>(start));
   if (base == MAP_FAILED) {
-    errno = saved;
     throw std::invalid_argument(errno_text("cannot map", path));
   }
-  // Start reading the file now (asynchronously) on a cold page cache: the first forward
-  // touches every page anyway.
-  madvise(base, size, MADV_WILLNEED);
-  return std::make_shared<Mapping>(base, size);
+  auto mapping = std::make_shared<Mapping>(base, length);
+  const size_t size = static_cast<size_t>(bytes);
+  std::memcpy(static_cast<char*>(base) + (header - start), &size, sizeof(size));
+  if (mprotect(base, length, PROT_READ) != 0) {
+    throw std::invalid_argument(errno_text("cannot make read-only a mapping of", path));
+  }
+  return {mapping, static_cast<char*>(base) + (offset - start)};
+}
+
+// The first forward touches nearly every page: fault them in (reading the file, on a cold
+// page cache) on a thread of their own while the caller goes on to the tokenizer and the
+// other model, instead of page by page inside that forward. The thread holds the mappings
+// until it is done.
+void populate_in_background(std::vector<std::shared_ptr<Mapping>> mappings) {
+  std::thread([mappings = std::move(mappings)] {
+    for (const auto& m : mappings) {
+#ifdef MADV_POPULATE_READ
+      if (madvise(m->base, m->size, MADV_POPULATE_READ) == 0) {
+        continue;
+      }
+#endif
+      madvise(m->base, m->size, MADV_WILLNEED);  // kernels before 5.14: readahead only
+    }
+  }).detach();
 }
 
 }  // namespace
 
 std::string mapping_unsupported() {
-  // A CPU-only build lays a buffer out as [size_t size][data]; check that raw_ptr() says
-  // so on a scratch pointer rather than assume it (it dereferences nothing there).
+  // Check that raw_ptr() is the pointer + 8 on a scratch buffer rather than assume it (it
+  // dereferences nothing there).
   alignas(16) static char probe[16];
   mx::allocator::Buffer buffer(probe);
   if (buffer.raw_ptr() != probe + sizeof(size_t)) {
@@ -92,35 +131,36 @@ std::vector<std::optional<mx::array>> map_tensors(
   if (!why.empty()) {
     throw std::invalid_argument(why);
   }
-  auto mapping = map_file(path);
+  File file(path);
+  if (file.fd < 0) {
+    throw std::invalid_argument(errno_text("cannot open", path));
+  }
+  struct stat st {};
+  if (fstat(file.fd, &st) != 0) {
+    throw std::invalid_argument(errno_text("cannot stat", path));
+  }
+  const uint64_t file_size = static_cast<uint64_t>(st.st_size);
   std::vector<std::optional<mx::array>> arrays;
+  std::vector<std::shared_ptr<Mapping>> mappings;
   arrays.reserve(tensors.size());
   for (const auto& [offset, dims, dtype] : tensors) {
-    uint64_t elements = 1;
-    for (int32_t d : dims) {
-      if (d < 0 || (d > 0 && elements > UINT64_MAX / static_cast<uint64_t>(d))) {
-        throw std::invalid_argument("a tensor shape of " + path + " is negative or overflows");
-      }
-      elements *= static_cast<uint64_t>(d);
-    }
-    if (elements > UINT64_MAX / mx::size_of(dtype)) {
-      throw std::invalid_argument("a tensor shape of " + path + " overflows");
-    }
-    uint64_t bytes = elements * mx::size_of(dtype);
-    if (offset < sizeof(size_t) || offset > mapping->size || bytes > mapping->size - offset) {
+    const uint64_t bytes = tensor_bytes(path, dims, dtype);
+    if (offset < sizeof(size_t) || offset > file_size || bytes > file_size - offset) {
       throw std::invalid_argument(
           "tensor at byte " + std::to_string(offset) + " (" + std::to_string(bytes) +
-          " bytes) lies outside " + path + " (" + std::to_string(mapping->size) + " bytes)");
+          " bytes) lies outside " + path + " (" + std::to_string(file_size) + " bytes)");
     }
     if (offset % kMappedAlignment != 0) {
       arrays.emplace_back(std::nullopt);
       continue;
     }
-    char* data = static_cast<char*>(mapping->base) + offset;
+    auto [mapping, data] = map_tensor(path, file.fd, offset, bytes);
     mx::allocator::Data held(
         mx::allocator::Buffer(data - sizeof(size_t)), [mapping](mx::allocator::Buffer) {});
     arrays.emplace_back(mx::array(std::move(held), mx::Shape(dims.begin(), dims.end()), dtype));
+    mappings.push_back(std::move(mapping));
   }
+  populate_in_background(std::move(mappings));
   return arrays;
 }
 

@@ -25,9 +25,10 @@ std::string mapping_unsupported();
 // so 8 mod 16): nothing in MLX can assume more of a buffer than that.
 constexpr uint64_t kMappedAlignment = 8;
 
-// Map `path` read-only and return, per tensor, an array over the mapping (no copy), or
-// nullopt where its offset is not a multiple of kMappedAlignment (the caller copies it).
-// The mapping is unmapped when the last array (or view of one) using it is freed. Every
+// Map `path` read-only and return, per tensor, an array over its own mapping of the file's
+// pages (no copy), or nullopt where its offset is not a multiple of kMappedAlignment (the
+// caller copies it). A tensor's mapping is unmapped when the last array (or view of one)
+// using it is freed; a background thread faults the pages in meanwhile. Every
 // range is checked against the file's size at mapping time (std::invalid_argument): a
 // file cut since its header was read would otherwise be a SIGBUS at the first touch.
 std::vector<std::optional<mx::array>> map_tensors(
