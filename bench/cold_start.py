@@ -26,8 +26,11 @@ processes on the same files included) are read, against the bytes of the pair's
 safetensors files. "Both" is the two processes' private pages plus one copy of the
 largest file-backed set: what the pair of processes costs the machine.
 
+Decode (--decode): the target loaded twice in this process, mapped and copied, decodes
+the same greedy reply alternately; tokens must match, tok/s are medians.
+
     python bench/cold_start.py                     # the tiny demo pair
-    python bench/cold_start.py --model DIR --draft DIR --runs 3 --memory \
+    python bench/cold_start.py --model DIR --draft DIR --runs 3 --memory --decode \
         --out bench/results/cold_start_X
 """
 
@@ -194,6 +197,33 @@ def memory_lines(memory: dict, weights_bytes: int) -> list[str]:
     return lines
 
 
+def decode_mapped_vs_copied(model: str, rounds: int = 5, tokens: int = 48) -> dict:
+    """Greedy decode of the target alone, its weights mapped and copied, interleaved."""
+    import specmlx
+    from specmlx.engine import encode_prompt, generate
+
+    loaded = {}
+    for name, env in READINGS.items():
+        os.environ.update(env)
+        loaded[name] = specmlx.load(model, lazy=False)
+    os.environ.pop("SPECMLX_MMAP")
+    ids = encode_prompt(loaded["specmlx mapped"], "def quicksort(items):")
+    tps: dict[str, list[float]] = {name: [] for name in loaded}
+    replies = {}
+    for i in range(rounds):
+        for name in list(loaded) if i % 2 == 0 else list(reversed(loaded)):
+            gen = generate(loaded[name], ids, max_tokens=tokens, temperature=0, num_draft=0)
+            replies[name] = [step.token for step in gen]
+            tps[name].append(gen.stats.decode_tps)
+    return {"same_tokens": len(set(map(tuple, replies.values()))) == 1, "tps": tps}
+
+
+def decode_lines(decode: dict) -> list[str]:
+    same = "the same" if decode["same_tokens"] else "DIFFERENT"
+    speeds = " · ".join(f"{name} {median(v):.2f} tok/s" for name, v in decode["tps"].items())
+    return [f"decode, target alone, greedy ({same} tokens): {speeds} (medians)"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="target model dir (default: the tiny demo pair)")
@@ -205,6 +235,7 @@ def main() -> None:
     )
     parser.add_argument("--no-drop", action="store_true", help="warm page cache only")
     parser.add_argument("--memory", action="store_true", help="also two processes' memory")
+    parser.add_argument("--decode", action="store_true", help="also decode mapped vs copied")
     parser.add_argument("--out", help="write OUT.json and OUT.md")
     args = parser.parse_args()
 
@@ -242,6 +273,9 @@ def main() -> None:
         for name, env in READINGS.items():
             memory[name] = memory_of_two(target, draft, env)
         print("\n".join(memory_lines(memory, weights_bytes)), flush=True)
+    decode = decode_mapped_vs_copied(target) if args.decode else {}
+    if decode:
+        print("\n".join(decode_lines(decode)), flush=True)
 
     if args.out:
         meta = {
@@ -259,10 +293,12 @@ def main() -> None:
         }
         out = Path(args.out)  # a name like cold_start_qwen2.5-coder: no suffix to replace
         record = {**meta, "runs": results, "memory": memory, "weights_bytes": weights_bytes}
+        record["decode"] = decode
         write_atomically(out.with_name(out.name + ".json"), json.dumps(record, indent=1))
         md = [f"# Cold start: `{meta['command']}`", ""]
         md += [f"- {k}: {v}" for k, v in meta.items() if k != "command"]
         body = summarize(results) + (memory_lines(memory, weights_bytes) if memory else [])
+        body += decode_lines(decode) if decode else []
         md += ["", "```", *body, "```", ""]
         write_atomically(out.with_name(out.name + ".md"), "\n".join(md))
 
