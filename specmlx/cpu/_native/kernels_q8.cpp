@@ -64,6 +64,17 @@ inline std::array<float, L> scales_from(const void* p, size_t i, ScaleType t, in
   return out;
 }
 
+// Ask for a row's scales or biases (count of them from index i) ahead of use: they are
+// short runs the hardware prefetcher does not pick up, and the biases are read only after
+// the row's codes, one DRAM latency per tile otherwise.
+inline void prefetch_scales(const void* p, size_t i, ScaleType t, int count) {
+  const size_t bytes = t == ScaleType::f32 ? 4 : 2;
+  const char* first = static_cast<const char*>(p) + i * bytes;
+  for (size_t off = 0; off < size_t(count) * bytes; off += 64) {
+    _mm_prefetch(first + off, _MM_HINT_T0);
+  }
+}
+
 using TileFn = void (*)(const QmmJob&, int n, int rows, int m0);
 
 bool has_vnni512() {
@@ -166,12 +177,21 @@ SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n, int rows, int m0) {
   for (int m = 0; m < MT; ++m) {
     acc[m] = _mm512_setzero_ps();
   }
+  for (const void* p : {j.scales, j.biases}) {
+    prefetch_scales(p, s0, j.stype, groups);
+    prefetch_scales(p, s1, j.stype, groups);
+  }
   for (int c = 0; c < chunks; ++c) {
-    _mm_prefetch(reinterpret_cast<const char*>(w0 + (c + 4) * kBytes), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w1 + (c + 4) * kBytes), _MM_HINT_T0);
-    const __mmask64 mask = c + 1 < chunks ? ~__mmask64(0) : tail_mask;
-    const __m512i b0 = _mm512_maskz_loadu_epi8(mask, w0 + c * kBytes);
-    const __m512i b1 = _mm512_maskz_loadu_epi8(mask, w1 + c * kBytes);
+    // 2 KiB ahead: weights that stream from DRAM (a whole model's do) come ~1.4x faster
+    // than with the float32 kernel's 4 groups, which left int8 x no faster at M <= 3.
+    _mm_prefetch(reinterpret_cast<const char*>(w0 + (c + 32) * kBytes), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w1 + (c + 32) * kBytes), _MM_HINT_T0);
+    // Plain loads but for a partial last chunk: masked ones stream from DRAM more slowly.
+    const bool full = c + 1 < chunks;
+    const uint8_t* p0 = w0 + c * kBytes;
+    const uint8_t* p1 = w1 + c * kBytes;
+    const __m512i b0 = full ? _mm512_loadu_si512(p0) : _mm512_maskz_loadu_epi8(tail_mask, p0);
+    const __m512i b1 = full ? _mm512_loadu_si512(p1) : _mm512_maskz_loadu_epi8(tail_mask, p1);
     const __m512i lo0 = _mm512_and_si512(b0, low4);
     const __m512i hi0 = _mm512_and_si512(_mm512_srli_epi16(b0, 4), low4);
     const __m512i lo1 = _mm512_and_si512(b1, low4);
@@ -266,7 +286,13 @@ SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n, int rows, int m0) {
     acc0[m] = _mm256_setzero_ps();
     acc1[m] = _mm256_setzero_ps();
   }
+  for (const void* p : {j.scales, j.biases}) {
+    prefetch_scales(p, s0, j.stype, groups);
+    prefetch_scales(p, s1, j.stype, groups);
+  }
   for (int c = 0; c < chunks; ++c) {
+    _mm_prefetch(reinterpret_cast<const char*>(w0 + (c + 32) * kBytes), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w1 + (c + 32) * kBytes), _MM_HINT_T0);
     const bool full = c + 1 < chunks || full_tail;
     const __m256i b0 = load_chunk32(w0 + c * kBytes, full);
     const __m256i b1 = load_chunk32(w1 + c * kBytes, full);
