@@ -336,6 +336,8 @@ def map_weights(headers: list[Header]) -> tuple[dict[str, mx.array], list[mx.arr
         for name, array in zip(names, arrays, strict=True):
             weights[name] = unaligned[name] if array is None else array
         mapped += [a for a in arrays if a is not None]
+    if not mapped:
+        return {}, [], "no tensor lies at an 8-byte-aligned offset"
     return weights, mapped, ""
 
 
