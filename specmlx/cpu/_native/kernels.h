@@ -30,7 +30,7 @@ struct QmmJob {
   int ldx;  // row stride of x, padded past K (see row_stride in qmm.cpp)
   // int8 activations (4 bits only; x above is then unused), see quantize_row_q8:
   const int8_t* xq = nullptr;  // M rows of ldq codes, in the q8 tiles' chunk order
-  const float* xd = nullptr;   // M rows of ldd: the scale of each 8 codes' 32-block
+  const float* xd = nullptr;   // M rows of ldd: the scale of each 32-block
   const float* xs = nullptr;   // M rows of ldg: per weight group, sum of scale * code
   int ldq = 0, ldd = 0, ldg = 0;
 };
@@ -54,7 +54,7 @@ void qmm_rows(Isa isa, const QmmJob& job, int n0, int n1);
 int q8_chunk(Isa isa);
 const char* q8_kernel_name(Isa isa);  // what q8 tiles run under isa: vnni512, avx2, scalar
 int q8_row_bytes(int K, Isa isa);     // ldq
-int q8_row_lanes(int K, Isa isa);     // ldd: one scale per 8 codes
+int q8_row_scales(int K, Isa isa);    // ldd: one scale per 32-block
 int q8_row_groups(int K, int group_size);  // ldg
 
 // One row of float x into q (ldq bytes), d (ldd floats), s (ldg floats). A row's codes

@@ -12,8 +12,8 @@
 // The tiles take a chunk of bytes at a time (64 = 128 codes on AVX-512, 32 on AVX2), mask
 // the low nibbles into one register and the high nibbles into another; x is packed so that
 // the same chunk of q holds the even-k codes, then the odd-k ones. An int32 lane then sums
-// the products for 8 consecutive k, whose scales are known: one d per lane (stored per lane
-// in xd, so any block size <= 8 would cost nothing more) and one s per weight group.
+// the products for 8 consecutive k, whose scales are known: the d of its 32-block and the
+// s of its weight group.
 //
 // Every row of x runs the same operations in the same order whatever the tile's other rows
 // are, so a row's result does not depend on M, nor (rows are split, sums are not) on threads.
@@ -108,7 +108,7 @@ void tile_q8_scalar(const QmmJob& j, int n, int rows, int m0, int mt) {
         for (int k = k0; k < k0 + 8; ++k) {
           dot += int((w[k / 2] >> (4 * (k & 1))) & 15) * q[k];
         }
-        acc += float(dot) * (scale_at(j.scales, srow + k0 / j.group_size, j.stype) * d[k0 / 8]);
+        acc += float(dot) * (scale_at(j.scales, srow + k0 / j.group_size, j.stype) * d[k0 / kQ8Block]);
       }
       for (int g = 0; g < groups; ++g) {
         acc += scale_at(j.biases, srow + g, j.stype) * xs[g];
@@ -169,6 +169,9 @@ SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n, int rows, int m0) {
   const int8_t* xq = j.xq + size_t(m0) * j.ldq;
   const float* xd = j.xd + size_t(m0) * j.ldd;
   const __m512i low4 = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
+  // x's 4 block scales of a chunk, one per quarter (kept per block, not per lane: at
+  // K = 8960 a few rows of x then still fit in L1 beside the weights streaming through)
+  const __m512i quarters = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
 
   // Every loop over acc is unrolled: with a loop left over it, GCC keeps acc in memory
   // and stores each accumulator once per chunk (10-20% of a row).
@@ -203,7 +206,7 @@ SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n, int rows, int m0) {
       const int8_t* q = xq + size_t(m) * j.ldq + c * kCodes;
       const __m512i xl = _mm512_loadu_si512(q);
       const __m512i xh = _mm512_loadu_si512(q + kBytes);
-      const __m512 d = _mm512_loadu_ps(xd + size_t(m) * j.ldd + c * 16);  // one d per quarter
+      const __m512 d = _mm512_permutexvar_ps(quarters, _mm512_castps128_ps512(_mm_loadu_ps(xd + size_t(m) * j.ldd + c * 4)));
       const __m512i i0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo0, xl), hi0, xh);
       const __m512i i1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo1, xl), hi1, xh);
       const __m512i both = _mm512_add_epi32(_mm512_unpacklo_epi32(i0, i1), _mm512_unpackhi_epi32(i0, i1));
@@ -308,7 +311,8 @@ SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n, int rows, int m0) {
       const int8_t* q = xq + size_t(m) * j.ldq + c * kCodes;
       const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
       const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + kBytes));
-      const __m256 d = _mm256_loadu_ps(xd + size_t(m) * j.ldd + c * 8);
+      const float* dm = xd + size_t(m) * j.ldd + c * 2;  // the chunk's two blocks
+      const __m256 d = _mm256_setr_m128(_mm_set1_ps(dm[0]), _mm_set1_ps(dm[1]));
       const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xl), _mm256_maddubs_epi16(hi0, xh));
       const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xl), _mm256_maddubs_epi16(hi1, xh));
       const __m256i i0 = _mm256_madd_epi16(p0, ones), i1 = _mm256_madd_epi16(p1, ones);
@@ -484,8 +488,8 @@ int q8_row_bytes(int K, Isa) {
   return round_up(K, 128) + 64;
 }
 
-int q8_row_lanes(int K, Isa isa) {
-  return q8_row_bytes(K, isa) / 8;
+int q8_row_scales(int K, Isa isa) {
+  return q8_row_bytes(K, isa) / kQ8Block;
 }
 
 int q8_row_groups(int K, int group_size) {
@@ -496,7 +500,7 @@ void quantize_row_q8(const float* x, int K, int group_size, Isa isa, int8_t* q, 
   const int chunk = q8_chunk(isa);
   const Isa kernel = q8_isa(isa);
   std::fill_n(q, q8_row_bytes(K, isa), int8_t(0));
-  std::fill_n(d, q8_row_lanes(K, isa), 0.0f);
+  std::fill_n(d, q8_row_scales(K, isa), 0.0f);
   std::fill_n(s, q8_row_groups(K, group_size), 0.0f);
   for (int k0 = 0; k0 < K; k0 += kQ8Block) {
     // A block lies inside one chunk (chunks are 1 or a multiple of 64 codes): its even k
@@ -513,7 +517,7 @@ void quantize_row_q8(const float* x, int K, int group_size, Isa isa, int8_t* q, 
     const Block b = kernel == Isa::avx512 ? quantize_block512(x + k0, even, odd)
         : kernel == Isa::avx2             ? quantize_block256(x + k0, even, odd)
                                           : quantize_block(x + k0, even, odd, step);
-    std::fill_n(d + k0 / 8, kQ8Block / 8, b.scale);
+    d[k0 / kQ8Block] = b.scale;
     s[k0 / group_size] += b.scale * float(b.sum);
   }
 }

@@ -95,7 +95,7 @@ void quantize_x(const T* src, int M, int K, int gs, Isa isa, int8_t* q, float* d
   thread_local std::unique_ptr<float[]> row_buf;
   thread_local size_t row_cap = 0;
   float* row = std::is_same_v<T, float> ? nullptr : scratch(row_buf, row_cap, size_t(K));
-  const size_t ldq = q8_row_bytes(K, isa), ldd = q8_row_lanes(K, isa), ldg = q8_row_groups(K, gs);
+  const size_t ldq = q8_row_bytes(K, isa), ldd = q8_row_scales(K, isa), ldg = q8_row_groups(K, gs);
   for (int m = 0; m < M; ++m) {
     const T* x = src + size_t(m) * K;
     const float* xf;
@@ -148,7 +148,7 @@ void run(const Call& c) {
     thread_local std::unique_ptr<int8_t[]> q_buf;
     thread_local size_t q_cap = 0;
     job.ldq = q8_row_bytes(c.K, isa);
-    job.ldd = q8_row_lanes(c.K, isa);
+    job.ldd = q8_row_scales(c.K, isa);
     job.ldg = q8_row_groups(c.K, c.group_size);
     int8_t* q = scratch(q_buf, q_cap, size_t(c.M) * job.ldq);
     // d and the group sums share x's float scratch: together they are smaller than x.
