@@ -18,9 +18,12 @@ import glob
 import json
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
@@ -252,18 +255,19 @@ def load(
     # Headers only: mx.load trusts them, a truncated file included, and a mapping needs them.
     headers = [read_header(file) for file in weight_files]
     unavailable = mapping_unavailable()
+    by_file: dict[str, dict[str, mx.array]] = {}
     mapped: list[mx.array] = []
+    for header in [] if unavailable else headers:
+        tensors, in_place, unavailable = map_weights([header])
+        if unavailable:  # one file that cannot be mapped: mx.load reads them all
+            by_file, mapped = {}, []
+            break
+        by_file[str(header.path)] = tensors
+        mapped += in_place
     try:
         classes = partial(model_classes, config_file=path / "config.json")
-        # mlx-lm's loader reads the weights with mx.load, lazily: mapped ones replace them
-        # before a byte is read.
-        module, config = load_model(path, lazy=True, get_model_classes=classes)
-        if not unavailable:
-            weights, mapped, unavailable = map_weights(headers)
-        if mapped:
-            if hasattr(module, "sanitize"):  # as load_model does with mx.load's tensors
-                weights = module.sanitize(weights)
-            module.load_weights(list(weights.items()), strict=True)
+        with weights_for_mlx_lm(by_file):
+            module, config = load_model(path, lazy=True, get_model_classes=classes)
     except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
         # Raised by mlx-lm building the model from config.json's values and the weights'
         # names and shapes: what it says is about the directory's files.
@@ -312,6 +316,32 @@ def mapping_unavailable() -> str:
     if unsupported is None:
         return "the native extension was built before mapping existed; reinstall specmlx"
     return unsupported()
+
+
+@contextmanager
+def weights_for_mlx_lm(by_file: dict[str, dict[str, mx.array]]) -> Iterator[None]:
+    """While mlx-lm's load_model runs, its mx.load of a file in `by_file` returns those
+    arrays: mlx-lm builds, sanitizes (once: some models' sanitize changes the model, e.g.
+    drops a tied head) and checks the model with them exactly as with its own reads. Only
+    mlx_lm.utils' name for mlx.core is swapped, for the call, and only `load` differs."""
+    import mlx_lm.utils
+
+    if not by_file:
+        yield
+        return
+
+    def load(file, *args, **kwargs):
+        if not args and not kwargs and str(file) in by_file:
+            return dict(by_file[str(file)])
+        return mx.load(file, *args, **kwargs)
+
+    core = SimpleNamespace(**{name: getattr(mx, name) for name in dir(mx)})
+    core.load = load
+    mlx_lm.utils.mx = core
+    try:
+        yield
+    finally:
+        mlx_lm.utils.mx = mx
 
 
 def map_weights(headers: list[Header]) -> tuple[dict[str, mx.array], list[mx.array], str]:
