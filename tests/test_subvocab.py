@@ -8,6 +8,7 @@ for it, and the residual is drawn where q is zero.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -17,8 +18,17 @@ from stats_util import ALPHA, chi_square_pvalue, exact_joint
 
 import specmlx
 from specmlx.cpu import native
-from specmlx.drafters import ModelDrafter, model_drafter
-from specmlx.drafters.subvocab import ENV, SubHead, always_in, draft_size, sub_head, sub_vocab
+from specmlx.drafters import ModelDrafter, model_drafter, subvocab
+from specmlx.drafters.subvocab import (
+    ENV,
+    SubHead,
+    always_in,
+    draft_size,
+    sub_head,
+    sub_vocab,
+    token_order,
+    tokenizer_key,
+)
 from specmlx.errors import SpecmlxError
 from specmlx.sampling import SamplingParams
 from specmlx.tiny import build_tiny_model
@@ -177,6 +187,31 @@ def test_the_size_is_the_env_var_or_the_full_head_where_it_cannot_be_cut(models,
     monkeypatch.setenv(ENV, "100")
     other = dataclasses.replace(draft, config={**draft.config, "model_type": "mamba2"})
     assert draft_size(other) is None
+
+
+def test_unset_the_size_is_the_default_where_the_vocabulary_is_larger(models, monkeypatch):
+    draft = models["perturbed"]
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setattr(subvocab, "DEFAULT_SIZE", 100)
+    assert draft_size(draft) == 100
+    monkeypatch.setattr(subvocab, "DEFAULT_SIZE", 65536)  # above the tiny 300 tokens
+    assert draft_size(draft) is None
+
+
+def test_a_counted_table_for_the_tokenizer_ranks_its_ids_first(models, monkeypatch, tmp_path):
+    draft = models["perturbed"]
+    table = tmp_path / "frequent_tokens.json"
+    monkeypatch.setattr(subvocab, "TABLE", table)
+    subvocab.counted_ids.cache_clear()
+    assert token_order(draft).tolist() == list(range(draft.vocab_size))  # no table: id order
+    key = tokenizer_key(draft.path / "tokenizer.json")
+    table.write_text(json.dumps({key: {"source": "a test", "ids": [250, 7, 120]}}))
+    subvocab.counted_ids.cache_clear()
+    order = token_order(draft).tolist()
+    rest = [t for t in range(draft.vocab_size) if t not in (250, 7, 120)]
+    assert order == [250, 7, 120, *rest]
+    assert sub_vocab(draft, 6).tolist() == sorted({*always_in(draft), 250, 7, 120})
+    subvocab.counted_ids.cache_clear()
 
 
 @pytest.mark.parametrize("value", ["lots", "0", "-5", "3.5"])

@@ -7,16 +7,23 @@ draws from them, and its q is zero outside: modified rejection sampling stays ex
 any q (verify.accept_reject compares p and q over the full vocabulary), and greedy output
 still equals the target's; only acceptance can drop, where the target's token lies outside.
 
-Which tokens: the first in token id order (byte-level BPE ids follow merge order, roughly
-frequency), with every special token (EOS among them) always in, so the draft can
-propose the end. bench/draft_head.py measures coverage, acceptance and pass time per N.
+Which tokens: those of a counted table for the draft's tokenizer first (TABLE, keyed by
+the SHA-256 of its tokenizer.json: counts of a target's greedy tokens on tune prompts,
+written by bench/draft_head.py), then the rest in token id order (byte-level BPE ids
+follow merge order, roughly frequency, but chat answers' code fence ``` is id 73,594 of
+Qwen2's), and every special token (EOS among them) always in, so the draft can propose
+the end. bench/results/draft_head.md has coverage, acceptance and pass time per N.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import os
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -30,9 +37,11 @@ from .model import ModelDrafter
 # the head being `lm_head` or, when tied, `model.embed_tokens.as_linear` (no softcapping,
 # scaling or wrapper in between): their head can be cut to rows.
 HEAD_OF_BODY = {"llama", "qwen2", "qwen3", "qwen3_moe", "phi3", "olmo2", "smollm3", "gemma3_text"}
-# The default size (None: the full head) and its switch.
-DEFAULT_SIZE: int | None = None
+# The default size (None: the full head), by measurement: bench/results/draft_head.md.
+DEFAULT_SIZE: int | None = 65536
 ENV = "SPECMLX_DRAFT_VOCAB"
+# {tokenizer.json's SHA-256: {"source": how it was counted, "ids": most frequent first}}
+TABLE = Path(__file__).with_name("frequent_tokens.json")
 
 
 @dataclass
@@ -80,8 +89,27 @@ def head_layer(model: Model) -> tuple[nn.Module, bool]:
 
 
 def token_order(model: Model) -> mx.array:
-    """Every token id the model can produce, most frequent first: id order."""
-    return mx.arange(model.vocab_size, dtype=mx.uint32)
+    """Every token id the model can produce, most frequent first: its tokenizer's counted
+    ids (TABLE), then the rest in id order."""
+    file = model.path / "tokenizer.json"
+    counted = counted_ids(str(file), file.stat().st_mtime) if file.is_file() else ()
+    counted = np.array([t for t in counted if t < model.vocab_size], np.int64)
+    rest = np.ones(model.vocab_size, bool)
+    rest[counted] = False
+    return mx.array(np.concatenate([counted, np.flatnonzero(rest)]), mx.uint32)
+
+
+def tokenizer_key(file: Path) -> str:
+    """What TABLE is keyed by: the tokenizer file's SHA-256."""
+    return hashlib.sha256(file.read_bytes()).hexdigest()
+
+
+@lru_cache(maxsize=8)  # a drafter is made at every Session reset; hashing 11 MB is not free
+def counted_ids(tokenizer_file: str, mtime: float) -> tuple[int, ...]:
+    """TABLE's ids for this tokenizer, most frequent first; none when it has no entry."""
+    table = json.loads(TABLE.read_text()) if TABLE.is_file() else {}
+    entry = table.get(tokenizer_key(Path(tokenizer_file)))
+    return tuple(entry["ids"]) if entry else ()
 
 
 def always_in(model: Model) -> list[int]:
@@ -99,7 +127,9 @@ def sub_vocab(model: Model, size: int, order: mx.array | None = None) -> mx.arra
     the first of `order` (default: token_order)."""
     kept = np.array(always_in(model), np.int64)
     ranked = np.asarray(token_order(model) if order is None else order).astype(np.int64)
-    fill = ranked[~np.isin(ranked, kept)][: max(0, size - kept.size)]
+    special = np.zeros(model.vocab_size, bool)
+    special[kept] = True
+    fill = ranked[~special[ranked]][: max(0, size - kept.size)]
     return mx.array(np.sort(np.concatenate([kept, fill])), mx.uint32)
 
 
@@ -136,6 +166,7 @@ def model_drafter(model: Model, width: int) -> ModelDrafter:
     """The draft model's drafter: with the head cut to draft_size's tokens where that is
     set, else its full head. `width`: the vocabulary verify compares over."""
     size = draft_size(model)
-    if size is None:
+    # A target with fewer tokens than the draft: the full head (the draw cuts its logits).
+    if size is None or width < model.vocab_size:
         return ModelDrafter(model)
     return ModelDrafter(model, sub_head(model, sub_vocab(model, size), width))
