@@ -276,6 +276,9 @@ def main() -> None:
         "--outputs", type=Path, default=Path(tempfile.gettempdir()) / "draft_head_outputs.json"
     )
     parser.add_argument("--json", type=Path, default=Path("bench/results/draft_head.json"))
+    parser.add_argument(
+        "--heldout", type=int, default=0, help="also read coverage and acceptance on K held-out"
+    )
     parser.add_argument("--e2e", type=int, default=0, help="also generate with this size")
     parser.add_argument("--e2e-gamma", type=int, default=4)
     parser.add_argument("--e2e-prompts", type=int, default=8, help="check prompts, evenly spaced")
@@ -304,6 +307,24 @@ def main() -> None:
         source = f"{target.path.name} greedy, {args.max_tokens} tokens, {len(fit)} tune prompts"
         write_table(draft, counts, source, args.table)
 
+    heldout = None
+    if args.heldout:  # a check only: nothing above was chosen on these
+        others = select_prompts(read_suite(), "heldout", limit=args.heldout)
+        print(f"target greedy outputs of {len(others)} held-out prompts", flush=True)
+        kept = target_outputs(target, draft, others, args.max_tokens, args.outputs)
+        h_coverage, h_accepted, h_full, h_positions = acceptance(draft, others, kept, sets)
+        heldout = {
+            "prompts": [p.id for p in others],
+            "positions": h_positions,
+            "full_acceptance": h_full,
+            "rows": [
+                {"ranking": name, "n": n, "coverage": h_coverage[name, n], "acceptance": a}
+                for (name, n), a in h_accepted.items()
+            ],
+        }
+        print(f"held out: full head acceptance {h_full:.3f} over {h_positions} positions")
+        for r in heldout["rows"]:
+            print(f"| {r['ranking']} | {r['n']} | {r['coverage']:.4f} | {r['acceptance']:.3f} |")
     e2e = None
     if args.e2e:
         spaced = check[:: max(1, len(check) // args.e2e_prompts)][: args.e2e_prompts]
@@ -342,6 +363,7 @@ def main() -> None:
         "pass_ms": seconds,
         "always_in": len(always_in(draft)),
         "end_to_end": e2e,
+        "heldout": heldout,
     }
     tmp = args.json.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=2))
