@@ -171,14 +171,17 @@ class Session:
 
     @property
     def cost_key(self) -> str:
-        """Costs depend on both models, their dtype and the backend (and its kernels)."""
+        """Costs depend on both models, their dtype, the draft's head (a sub-vocabulary
+        makes its pass cheaper) and the backend (and its kernels)."""
         from .cpu import describe
 
         def model(m: Model | None) -> str:
             return f"{m.path}:{m.dtype}:{m.weights or 'as stored'}" if m else "-"
 
+        head = self.drafter.head if self.drafter is not None else None
+        vocab = f"head {head.ids.size}" if head is not None else "full head"
         kernels = describe() if backend() == "cpu" else "mlx"
-        return f"{model(self.target)}|{model(self.draft)}|{backend()}|{kernels}"
+        return f"{model(self.target)}|{model(self.draft)}:{vocab}|{backend()}|{kernels}"
 
     def scheduler(self, source: str) -> Scheduler:
         """The γ policy for a draft source; both share one measured target cost curve."""

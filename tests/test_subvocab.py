@@ -220,3 +220,13 @@ def test_a_bad_size_is_refused_in_one_line(models, monkeypatch, value):
     with pytest.raises(SpecmlxError, match=f"{ENV}=.*'full'") as error:
         draft_size(models["perturbed"])
     assert "\n" not in str(error.value)
+
+
+def test_costs_measured_with_one_head_are_not_read_for_another(pair, monkeypatch):
+    # A cut head makes the draft's pass cheaper: its cost figures must not blend with the
+    # full head's in the cost cache.
+    target, draft = pair["target"], pair["draft"]
+    cut_key = session(target, draft, monkeypatch).cost_key
+    monkeypatch.setenv(ENV, "full")
+    full_key = specmlx.Session(target, draft).cost_key
+    assert cut_key != full_key and f"head {N}" in cut_key
