@@ -129,10 +129,10 @@ SPECMLX_AVX512 void tile_avx512(const QmmJob& j, int n, int rows, int m0) {
     // the hardware prefetcher's run-up at the start of every row pair.
     _mm_prefetch(reinterpret_cast<const char*>(w0 + (g + 4) * G), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(w1 + (g + 4) * G), _MM_HINT_T0);
-    const __m512 t0 = _mm512_fmadd_ps(_mm512_set1_ps(scale_at(j.scales, s0 + g, j.stype)), iota,
-                                      _mm512_set1_ps(scale_at(j.biases, s0 + g, j.stype)));
-    const __m512 t1 = _mm512_fmadd_ps(_mm512_set1_ps(scale_at(j.scales, s1 + g, j.stype)), iota,
-                                      _mm512_set1_ps(scale_at(j.biases, s1 + g, j.stype)));
+    const __m512 t0 = _mm512_fmadd_ps(_mm512_set1_ps(scale_f16c(j.scales, s0 + g, j.stype)), iota,
+                                      _mm512_set1_ps(scale_f16c(j.biases, s0 + g, j.stype)));
+    const __m512 t1 = _mm512_fmadd_ps(_mm512_set1_ps(scale_f16c(j.scales, s1 + g, j.stype)), iota,
+                                      _mm512_set1_ps(scale_f16c(j.biases, s1 + g, j.stype)));
     const float* xg = x + size_t(g) * Lay::GS;
     for (int b = 0; b < Lay::NB; ++b) {
       __m512i q0 = load_block16<Lay::C>(w0 + g * G + b * Lay::B);
@@ -204,10 +204,10 @@ SPECMLX_AVX2 void tile_avx2(const QmmJob& j, int n, int rows, int m0) {
     acc1[m] = _mm256_setzero_ps();
   }
   for (int g = 0; g < groups; ++g) {
-    const __m256 sc0 = _mm256_set1_ps(scale_at(j.scales, s0 + g, j.stype));
-    const __m256 bi0 = _mm256_set1_ps(scale_at(j.biases, s0 + g, j.stype));
-    const __m256 sc1 = _mm256_set1_ps(scale_at(j.scales, s1 + g, j.stype));
-    const __m256 bi1 = _mm256_set1_ps(scale_at(j.biases, s1 + g, j.stype));
+    const __m256 sc0 = _mm256_set1_ps(scale_f16c(j.scales, s0 + g, j.stype));
+    const __m256 bi0 = _mm256_set1_ps(scale_f16c(j.biases, s0 + g, j.stype));
+    const __m256 sc1 = _mm256_set1_ps(scale_f16c(j.scales, s1 + g, j.stype));
+    const __m256 bi1 = _mm256_set1_ps(scale_f16c(j.biases, s1 + g, j.stype));
     const float* xg = x + size_t(g) * Lay::GS;
     for (int b = 0; b < Lay::NB; ++b) {
       __m256i q0 = load_block8<Lay::C>(w0 + g * G + b * Lay::B);
@@ -261,10 +261,10 @@ SPECMLX_AVX512 void tile8_avx512(const QmmJob& j, int n, int rows, int m0) {
   for (int g = 0; g < groups; ++g) {
     _mm_prefetch(reinterpret_cast<const char*>(w0 + size_t(g + 4) * gs), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(w1 + size_t(g + 4) * gs), _MM_HINT_T0);
-    const __m512 sc0 = _mm512_set1_ps(scale_at(j.scales, s0 + g, j.stype));
-    const __m512 bi0 = _mm512_set1_ps(scale_at(j.biases, s0 + g, j.stype));
-    const __m512 sc1 = _mm512_set1_ps(scale_at(j.scales, s1 + g, j.stype));
-    const __m512 bi1 = _mm512_set1_ps(scale_at(j.biases, s1 + g, j.stype));
+    const __m512 sc0 = _mm512_set1_ps(scale_f16c(j.scales, s0 + g, j.stype));
+    const __m512 bi0 = _mm512_set1_ps(scale_f16c(j.biases, s0 + g, j.stype));
+    const __m512 sc1 = _mm512_set1_ps(scale_f16c(j.scales, s1 + g, j.stype));
+    const __m512 bi1 = _mm512_set1_ps(scale_f16c(j.biases, s1 + g, j.stype));
     for (int k = g * gs; k < (g + 1) * gs; k += 16) {
       const __m512 f0 = _mm512_fmadd_ps(
           _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w0 + k)))),
@@ -302,10 +302,10 @@ SPECMLX_AVX2 void tile8_avx2(const QmmJob& j, int n, int rows, int m0) {
     acc1[m] = _mm256_setzero_ps();
   }
   for (int g = 0; g < groups; ++g) {
-    const __m256 sc0 = _mm256_set1_ps(scale_at(j.scales, s0 + g, j.stype));
-    const __m256 bi0 = _mm256_set1_ps(scale_at(j.biases, s0 + g, j.stype));
-    const __m256 sc1 = _mm256_set1_ps(scale_at(j.scales, s1 + g, j.stype));
-    const __m256 bi1 = _mm256_set1_ps(scale_at(j.biases, s1 + g, j.stype));
+    const __m256 sc0 = _mm256_set1_ps(scale_f16c(j.scales, s0 + g, j.stype));
+    const __m256 bi0 = _mm256_set1_ps(scale_f16c(j.biases, s0 + g, j.stype));
+    const __m256 sc1 = _mm256_set1_ps(scale_f16c(j.scales, s1 + g, j.stype));
+    const __m256 bi1 = _mm256_set1_ps(scale_f16c(j.biases, s1 + g, j.stype));
     for (int k = g * gs; k < (g + 1) * gs; k += 8) {
       const __m256 f0 = _mm256_fmadd_ps(
           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w0 + k)))),
@@ -394,10 +394,11 @@ int max_rows(Isa isa) {
 
 Isa detect_isa() {
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) {
+  const bool f16c = __builtin_cpu_supports("f16c");
+  if (__builtin_cpu_supports("avx512f") && f16c) {
     return Isa::avx512;
   }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c) {
     return Isa::avx2;
   }
   return Isa::scalar;

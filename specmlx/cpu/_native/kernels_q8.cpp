@@ -52,13 +52,13 @@ inline float scale_at(const void* p, size_t i, ScaleType t) {
 // `count` (<= L) scales or biases from index i on, zero past them: the tail of a row must
 // not be read past the array's end.
 template <int L>
-inline std::array<float, L> scales_from(const void* p, size_t i, ScaleType t, int count) {
+SPECMLX_F16C inline std::array<float, L> scales_from(const void* p, size_t i, ScaleType t, int count) {
   std::array<float, L> out{};
   if (t == ScaleType::f32 && count == L) {
     std::copy_n(static_cast<const float*>(p) + i, L, out.begin());
   } else {
     for (int l = 0; l < count; ++l) {
-      out[l] = scale_at(p, i + l, t);
+      out[l] = scale_f16c(p, i + l, t);
     }
   }
   return out;
@@ -149,10 +149,31 @@ SPECMLX_VNNI512 inline __m512 pair_scales512(
     return _mm512_permutex2var_ps(
         _mm512_maskz_loadu_ps(valid, f + i0), idx, _mm512_maskz_loadu_ps(valid, f + i1));
   }
+  if (t == ScaleType::f16) {
+    // In registers: widened through a stack array, each chunk paid a store-forwarding
+    // stall, which made fp16 scales 2-4x slower than float32 ones at M = 1.
+    const __mmask8 valid = __mmask8((1u << count) - 1);
+    const uint16_t* h = static_cast<const uint16_t*>(p);
+    return _mm512_permutex2var_ps(
+        _mm512_castps128_ps512(_mm_cvtph_ps(_mm_maskz_loadu_epi16(valid, h + i0))), idx,
+        _mm512_castps128_ps512(_mm_cvtph_ps(_mm_maskz_loadu_epi16(valid, h + i1))));
+  }
   const auto a = scales_from<4>(p, i0, t, count), b = scales_from<4>(p, i1, t, count);
   return _mm512_permutex2var_ps(
       _mm512_castps128_ps512(_mm_loadu_ps(a.data())), idx,
       _mm512_castps128_ps512(_mm_loadu_ps(b.data())));
+}
+
+// The bias step's 8 biases from index i (count of them, zeros past), as floats in a register.
+SPECMLX_VNNI512 inline __m256 biases8_512(const void* p, size_t i, ScaleType t, int count) {
+  const __mmask8 valid = __mmask8((1u << count) - 1);
+  if (t == ScaleType::f16) {
+    return _mm256_cvtph_ps(_mm_maskz_loadu_epi16(valid, static_cast<const uint16_t*>(p) + i));
+  }
+  if (t == ScaleType::f32) {
+    return _mm256_maskz_loadu_ps(valid, static_cast<const float*>(p) + i);
+  }
+  return _mm256_loadu_ps(scales_from<8>(p, i, t, count).data());
 }
 
 template <int MT, int GS>
@@ -219,11 +240,9 @@ SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n, int rows, int m0) {
   const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   for (int g = 0; g < groups; g += 8) {
     const int count = std::min(8, groups - g);
-    const auto b0 = scales_from<8>(j.biases, s0 + g, j.stype, count);
-    const auto b1 = scales_from<8>(j.biases, s1 + g, j.stype, count);
     const __m512 bv = _mm512_permutex2var_ps(
-        _mm512_castps256_ps512(_mm256_loadu_ps(b0.data())), pick,
-        _mm512_castps256_ps512(_mm256_loadu_ps(b1.data())));
+        _mm512_castps256_ps512(biases8_512(j.biases, s0 + g, j.stype, count)), pick,
+        _mm512_castps256_ps512(biases8_512(j.biases, s1 + g, j.stype, count)));
     #pragma GCC unroll 16
     for (int m = 0; m < MT; ++m) {
       const __m256 xs = _mm256_loadu_ps(j.xs + size_t(m0 + m) * j.ldg + g);
@@ -250,11 +269,23 @@ constexpr int kAvx2MaxRows = 4;
 template <int GS>
 SPECMLX_AVX2_Q8 inline __m256 lane_scales256(const void* p, size_t i, ScaleType t, int count) {
   if constexpr (GS == 32) {
-    const float hi = count > 1 ? scale_at(p, i + 1, t) : 0.0f;
-    return _mm256_setr_m128(_mm_set1_ps(scale_at(p, i, t)), _mm_set1_ps(hi));
+    const float hi = count > 1 ? scale_f16c(p, i + 1, t) : 0.0f;
+    return _mm256_setr_m128(_mm_set1_ps(scale_f16c(p, i, t)), _mm_set1_ps(hi));
   } else {
-    return _mm256_set1_ps(scale_at(p, i, t));
+    return _mm256_set1_ps(scale_f16c(p, i, t));
   }
+}
+
+// As biases8_512, without masked loads: a partial step (a row's last) goes through memory.
+SPECMLX_AVX2_Q8 inline __m256 biases8_256(const void* p, size_t i, ScaleType t, int count) {
+  if (count == 8 && t == ScaleType::f16) {
+    return _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)));
+  }
+  if (count == 8 && t == ScaleType::f32) {
+    return _mm256_loadu_ps(static_cast<const float*>(p) + i);
+  }
+  return _mm256_loadu_ps(scales_from<8>(p, i, t, count).data());
 }
 
 SPECMLX_AVX2_Q8 inline float hsum256(__m256 v) {
@@ -322,9 +353,8 @@ SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n, int rows, int m0) {
   }
   for (int g = 0; g < groups; g += 8) {
     const int count = std::min(8, groups - g);
-    const auto b0 = scales_from<8>(j.biases, s0 + g, j.stype, count);
-    const auto b1 = scales_from<8>(j.biases, s1 + g, j.stype, count);
-    const __m256 bv0 = _mm256_loadu_ps(b0.data()), bv1 = _mm256_loadu_ps(b1.data());
+    const __m256 bv0 = biases8_256(j.biases, s0 + g, j.stype, count);
+    const __m256 bv1 = biases8_256(j.biases, s1 + g, j.stype, count);
     #pragma GCC unroll 16
     for (int m = 0; m < MT; ++m) {
       const __m256 xs = _mm256_loadu_ps(j.xs + size_t(m0 + m) * j.ldg + g);
