@@ -276,8 +276,12 @@ def load(
             f"({type(e).__name__}: {one_line(e)}); {FIX}"
         ) from e
     chosen = pick_dtype(config, dtype)
+    stored = dict(tree_flatten(module.parameters()))  # the kernel's layers keep their halves
     cast_floating(module, chosen)
-    weights, weights_why = cpu.prepare(module, cpu_weights, backend(), use_native=native)
+    weights, weights_why = cpu.prepare(
+        module, cpu_weights, backend(), use_native=native, stored=stored
+    )
+    del stored
     reading = count_in_place(module, mapped, unavailable)
     del mapped  # the model holds what it uses; the rest (e.g. a dropped tied head) is freed
     if not lazy:

@@ -21,6 +21,7 @@ from ..errors import SpecmlxError
 from .blas import blas_info, setup_cli
 
 if TYPE_CHECKING:
+    import mlx.core as mx
     import mlx.nn as nn
 
     from .native import available, describe, softmax
@@ -42,11 +43,17 @@ def __getattr__(name: str):
 
 
 def prepare(
-    module: nn.Module, cpu_weights: str, backend: str, use_native: bool = True
+    module: nn.Module,
+    cpu_weights: str,
+    backend: str,
+    use_native: bool = True,
+    stored: dict[str, mx.array] | None = None,
 ) -> tuple[str, str]:
     """Make a freshly built model (floating parameters already cast) ready for the CPU:
     choose its weights mode, expand INT4 to float32 in the fp32 mode, and with
-    `use_native` route the layers left quantized through the native kernel.
+    `use_native` route the layers left quantized through the native kernel. `stored`: the
+    parameters before the cast (by path); the kernel's layers get their fp16/bf16 scales,
+    biases and bias back from it, used in place (see native.keep_stored_halves).
 
     Returns (mode, why): mode 'int4', 'fp32', or 'dense' for an unquantized checkpoint.
     On the GPU nothing is patched (the kernel is CPU-only) and 'auto' keeps INT4.
@@ -62,6 +69,6 @@ def prepare(
         # Before the native patch, which then takes only the 8-bit layers left packed.
         keep = (8,) if use_native and native.available() else ()
         fp32.expand_quantized(module, keep_bits=keep)
-    if use_native:
-        native.patch_model(module)
+    if use_native and native.patch_model(module) and stored:
+        native.keep_stored_halves(module, stored)
     return mode, why
