@@ -18,6 +18,8 @@ from stats_util import ALPHA, chi_square_pvalue, exact_joint
 
 import specmlx
 from specmlx.caches import layers
+from specmlx.convert.quantize import SUPPORTED_ARCHS, quantize
+from specmlx.cpu import native
 from specmlx.tiny import ARCHITECTURES, build_tiny_model
 
 # How each architecture's caches are rolled back: by trimming (every layer keeps every
@@ -114,6 +116,44 @@ def test_greedy_speculation_equals_mlx_lm_at_every_gamma(arch, build):
     if arch not in NOTHING_REJECTED:
         assert accepted < drafted  # some drafts were rolled back
         assert (rewinds > 0) == (ROLLBACK[arch] == "rewind")  # a re-run only where trims can't
+
+
+@pytest.fixture
+def int8_activations():
+    """The native kernel's default mode (the suite runs float32 x: see conftest.py)."""
+    if not native.available():
+        pytest.skip(native.reason())
+    before = native.activations()
+    native.set_activations("int8")
+    yield
+    native.set_activations(before)
+
+
+@pytest.mark.parametrize("arch", [a for a in ROLLBACK if a in SUPPORTED_ARCHS])
+def test_greedy_speculation_on_int4_and_int8_activations_equals_the_target_alone(
+    arch, build, int8_activations, tmp_path
+):
+    # The tiny models above are float. Quantized by `specmlx quantize` (INT4 g32, what
+    # the kernel takes at K = 64; the architectures it converts) they run on the native
+    # kernel, which quantizes each row of x on its own: a verify pass over γ + 1 rows
+    # gives each row what a one-row step gives it.
+    target_dir, draft_dir, _, _ = build(arch)
+    models = []
+    for name, source in (("target", target_dir), ("draft", draft_dir)):
+        quantize(source, tmp_path / name, group_size=32, dtype="float32")
+        models.append(specmlx.load(tmp_path / name))
+        models[-1].tokenizer.eos_token_ids = set()
+    target, draft = models
+    assert native.runs_int4(target.module)
+    # Where a multi-token pass is not bit-exact, int8 x would decode near-ties apart.
+    exact = ROLLBACK[arch] == "trim"
+    assert native.activations() == ("int8" if exact else "float32")
+    assert exact or "not bit-exact" in native.describe()
+    ids = target.tokenizer.encode(PROMPT)
+    alone = specmlx.generate(target, ids, max_tokens=N, num_draft=0).run().tokens
+    for gamma in (1, 3, "auto"):
+        gen = specmlx.generate(target, ids, draft=draft, max_tokens=N, num_draft=gamma).run()
+        assert gen.tokens == alone, f"gamma {gamma}"
 
 
 @pytest.mark.parametrize("arch", list(ROLLBACK))

@@ -69,6 +69,8 @@ def prepare(
         # Before the native patch, which then takes only the 8-bit layers left packed.
         keep = (8,) if use_native and native.available() else ()
         fp32.expand_quantized(module, keep_bits=keep)
-    if use_native and native.patch_model(module) and stored:
-        native.keep_stored_halves(module, stored)
+    if use_native and native.patch_model(module):
+        native.keep_exact(module, getattr(module, "model_type", type(module).__name__))
+        if stored:
+            native.keep_stored_halves(module, stored)
     return mode, why

@@ -103,6 +103,7 @@ def _env_activations() -> tuple[str, str]:
 # Read once, here: a bad value is reported when a model is prepared (patch_model), as one
 # line from the CLI, rather than breaking `import specmlx`.
 _activations, _env_problem = _env_activations()
+_float32_why = ""  # why a model's load put the kernel on float32 x, if one did
 if _ext is not None and hasattr(_ext, "set_activations"):  # a build from before int8 x lacks it
     _ext.set_activations(_activations)
 
@@ -142,7 +143,35 @@ def set_activations(mode: str) -> None:
         raise SpecmlxError(f"unknown activations {mode!r}; use one of {', '.join(ACTIVATIONS)}")
     if _ext is None or not hasattr(_ext, "set_activations"):
         raise RuntimeError(f"native kernel without int8 activations: {_reason or 'old build'}")
+    global _float32_why
     _ext.set_activations(mode)
+    _float32_why = ""
+
+
+def rows_exact(module: nn.Module) -> bool:
+    """Whether the model's pass over k tokens gives each position bit for bit what a
+    one-token step gives it: where every layer keeps a plain KV cache (global causal
+    attention). Sliding-window attention (its masked multi-token path) and state-space
+    scans differ in the logits' last bits (bench/row_exactness.py), harmless in float32
+    but enough for int8 x's rounding to carry a near-tie to another greedy token, so that
+    speculation would not decode what the target alone does."""
+    from mlx_lm.models.cache import CacheList, KVCache, make_prompt_cache
+
+    def plain(cache) -> bool:
+        if isinstance(cache, CacheList):
+            return all(plain(c) for c in cache.caches)
+        return type(cache) is KVCache
+
+    return all(plain(c) for c in make_prompt_cache(module))
+
+
+def keep_exact(module: nn.Module, name: str) -> None:
+    """Put the kernel on float32 x for good in this process where int8 x would make
+    `module` (called `name` in the stats) decode differently speculating and alone."""
+    global _float32_why
+    if activations() == "int8" and not rows_exact(module):
+        set_activations("float32")
+        _float32_why = f"{name}'s multi-token passes are not bit-exact"
 
 
 def describe() -> str:
@@ -153,7 +182,7 @@ def describe() -> str:
     if acts == "int8":
         acts = f"int8 activations ({_ext.q8_kernel()})"
     else:
-        acts = "float32 activations"
+        acts = "float32 activations" + (f": {_float32_why}" if _float32_why else "")
     return f"specmlx native INT4/INT8 ({_ext.isa()}, {_ext.threads()} threads, {acts})"
 
 
