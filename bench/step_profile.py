@@ -1,0 +1,213 @@
+"""Where one decode step's time goes: the parts of a one-token target pass, timed apart.
+
+A step is timed whole (graph building and eval), then its parts are each run alone at
+the same shapes, in one graph per part, so each is the time the part costs when nothing
+else runs: every linear layer of the blocks (the INT4 kernel), the output head, the
+attention over the cache, and the Python that builds the step's graph. What is left of
+the step is norms, RoPE, residual adds, the cache writes and MLX's per-op dispatch. The
+floor is the bytes the step must read (every weight but the embedding table, of which
+one row) over this machine's DRAM read rate, measured here with all threads reading.
+
+    python bench/step_profile.py --model ~/.cache/specmlx/models/qwen2.5-coder-1.5b-instruct-int4
+    python bench/step_profile.py --model DIR --context 512 --repeat 30 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import threading
+import time
+from pathlib import Path
+from statistics import median
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from specmlx.caches import make_cache, prefill, timed_pass
+from specmlx.cpu import native
+from specmlx.loading import load
+
+
+def cpu_name() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    except OSError:
+        return platform.processor()
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    flags = fields.get("Flags", "").split()
+    isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8") if f in flags]
+    name, cpus = fields.get("Model name", "?").strip(), fields.get("CPU(s)", "?").strip()
+    return f"{name} ({cpus} CPUs; {' '.join(isa)})"
+
+
+def dram_read_gbs(threads: int, gib: float = 1.0, repeat: int = 5) -> float:
+    """GB/s of summing a buffer far larger than the caches, split over `threads` (numpy
+    releases the GIL in its reductions)."""
+    data = np.ones(int(gib * 2**30) // 8, np.float64)
+    parts = np.array_split(data, threads)
+
+    def read() -> float:
+        workers = [threading.Thread(target=np.sum, args=(p,)) for p in parts]
+        start = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        return time.perf_counter() - start
+
+    read()
+    return data.nbytes / min(read() for _ in range(repeat)) / 1e9
+
+
+def timed(build, repeat: int) -> float:
+    """Median seconds of building and evaluating the graph `build()` returns."""
+    mx.eval(build())  # the first run pays one-time work
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        mx.eval(build())
+        samples.append(time.perf_counter() - start)
+    return median(samples)
+
+
+def block_linears(module: nn.Module) -> list[nn.Module]:
+    """The quantized linear layers inside the transformer blocks (not the head)."""
+    return [
+        m
+        for name, m in module.named_modules()
+        if isinstance(m, nn.QuantizedLinear) and ".layers." in f".{name}"
+    ]
+
+
+def head_of(module: nn.Module):
+    lm_head = getattr(module, "lm_head", None)
+    if lm_head is not None:
+        return lm_head
+    return module.model.embed_tokens.as_linear
+
+
+def attention_shapes(module: nn.Module, cache: list) -> list[tuple[int, int, int, int]]:
+    """(heads, kv heads, head dim, cached length) per attention layer."""
+    shapes = []
+    for layer, c in zip(module.model.layers, cache, strict=True):
+        attn = getattr(layer, "self_attn", None)
+        keys = getattr(c, "keys", None)
+        if keys is None or not hasattr(attn, "n_heads"):
+            continue
+        shapes.append((attn.n_heads, attn.n_kv_heads, keys.shape[-1], c.offset))
+    return shapes
+
+
+def step_bytes(module: nn.Module) -> int:
+    """Bytes a one-token step reads: every parameter but the embedding table (one row),
+    which a tied head reads whole as the head."""
+    tied = getattr(module, "lm_head", None) is None
+    total = 0
+    for name, value in tree_flatten(module.parameters()):
+        if name.startswith("model.embed_tokens.") and not tied:
+            total += value.nbytes // value.shape[0]
+        else:
+            total += value.nbytes
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--context", type=int, default=256, help="tokens already in the cache")
+    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    model = load(args.model)
+    module = model.module
+    cache = make_cache(module)
+    prefill(model, cache, [int(t) % 1000 + 100 for t in range(args.context)])
+    token = [1000]
+    timed_pass(model, cache, token)
+
+    dtype = mx.float32 if model.dtype == "float32" else getattr(mx, model.dtype)
+    linears = block_linears(module)
+    xs = [mx.random.normal((1, 1, m.weight.shape[1] * 32 // m.bits)).astype(dtype) for m in linears]
+    head = head_of(module)
+    hidden = mx.random.normal((1, 1, module.args.hidden_size)).astype(dtype)
+    shapes = attention_shapes(module, cache)
+    qkv = [
+        (
+            mx.random.normal((1, h, 1, d)).astype(dtype),
+            mx.random.normal((1, kv, n, d)).astype(dtype),
+            mx.random.normal((1, kv, n, d)).astype(dtype),
+        )
+        for h, kv, d, n in shapes
+    ]
+    mx.eval(xs, hidden, qkv)
+
+    def attention():
+        return [
+            mx.fast.scaled_dot_product_attention(q, k, v, scale=q.shape[-1] ** -0.5)
+            for q, k, v in qkv
+        ]
+
+    def build_only() -> float:
+        samples = []
+        for _ in range(args.repeat):
+            start = time.perf_counter()
+            out = module(mx.array([token], mx.uint32), cache=cache)
+            samples.append(time.perf_counter() - start)
+            mx.eval(out)
+            for c in cache:
+                c.trim(1)
+        return median(samples)
+
+    def step() -> float:
+        return median(timed_pass(model, cache, token) for _ in range(args.repeat))
+
+    def layers():
+        return [m(x) for m, x in zip(linears, xs, strict=True)]
+
+    parts: dict[str, list[float]] = {}
+    for _ in range(3):  # interleaved: load on the machine moves every part alike
+        for name, run in (
+            ("step", step),
+            ("linear layers", lambda: timed(layers, args.repeat)),
+            ("head", lambda: timed(lambda: head(hidden), args.repeat)),
+            ("attention", lambda: timed(attention, args.repeat)),
+            ("graph building (Python)", build_only),
+        ):
+            parts.setdefault(name, []).append(run())
+    ms = {name: median(v) * 1e3 for name, v in parts.items()}
+    ms["the rest"] = ms["step"] - sum(v for k, v in ms.items() if k != "step")
+    threads = native.threads() if native.available() else 1
+    gbs = dram_read_gbs(threads)
+    floor = step_bytes(module) / gbs / 1e6
+    result = {
+        "model": str(args.model),
+        "cpu": cpu_name(),
+        "kernel": native.describe() if native.available() else native.reason(),
+        "mlx": mx.__version__,
+        "context": args.context,
+        "ms": {k: round(v, 2) for k, v in ms.items()},
+        "step_bytes": step_bytes(module),
+        "dram_read_gbs": round(gbs, 1),
+        "floor_ms": round(floor, 2),
+    }
+    print(f"{args.model}\n{result['cpu']}; kernel {result['kernel']}; mlx {mx.__version__}")
+    print("| part | ms | share of the step |\n| --- | --- | --- |")
+    for name, v in ms.items():
+        print(f"| {name} | {v:.1f} | {v / ms['step']:.0%} |")
+    print(
+        f"floor: {result['step_bytes'] / 1e6:.0f} MB read per step at {gbs:.1f} GB/s "
+        f"({threads} threads) = {floor:.1f} ms; the step is {ms['step'] / floor:.2f}x the floor"
+    )
+    if args.json:
+        tmp = args.json.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        tmp.replace(args.json)
+
+
+if __name__ == "__main__":
+    main()
