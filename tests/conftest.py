@@ -33,6 +33,21 @@ if native.available():
     native.set_activations(os.environ["SPECMLX_ACTIVATIONS"])
 
 
+# The native kernel's ISAs, lowest first (`_ext.set_isa` forces any up to the CPU's best).
+ISAS = ["scalar", "avx2", "avx512"]
+
+
+@pytest.fixture
+def isas():
+    """Every ISA this CPU has; the best ISA and the activations mode restored afterwards."""
+    if not native.available():
+        pytest.skip(f"native kernel not available: {native.reason()}")
+    best, mode = native._ext.isa(), native.activations()
+    yield ISAS[: ISAS.index(best) + 1]
+    native._ext.set_isa(best)
+    native.set_activations(mode)
+
+
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory):
     """Paths of tiny models in the hub's layout: a qwen2 target, drafts for it, a llama."""

@@ -12,16 +12,6 @@ from specmlx.cpu import native
 pytestmark = pytest.mark.skipif(
     not native.available(), reason=f"native kernel not available: {native.reason()}"
 )
-ISAS = ["scalar", "avx2", "avx512"]
-
-
-@pytest.fixture
-def isas():
-    """Every ISA this CPU has; the best ISA and the activations mode restored afterwards."""
-    best, mode = native._ext.isa(), native.activations()
-    yield ISAS[: ISAS.index(best) + 1]
-    native._ext.set_isa(best)
-    native.set_activations(mode)
 
 
 def half_quantized(n, k, group_size, bits, half, seed=0):

@@ -14,7 +14,6 @@ from specmlx.errors import SpecmlxError
 pytestmark = pytest.mark.skipif(
     not native.available(), reason=f"native kernel not available: {native.reason()}"
 )
-ISAS = ["scalar", "avx2", "avx512"]
 GROUP_SIZES = [32, 64, 128]
 
 
@@ -22,15 +21,6 @@ def quantized(n, k, group_size=64, bits=4, dtype=mx.float32, seed=0):
     mx.random.seed(seed)
     w, scales, biases = mx.quantize(mx.random.normal((n, k)), group_size=group_size, bits=bits)
     return w, scales.astype(dtype), biases.astype(dtype)
-
-
-@pytest.fixture
-def isas():
-    """Every ISA this CPU has; the best ISA and the activations mode restored afterwards."""
-    best, mode = native._ext.isa(), native.activations()
-    yield ISAS[: ISAS.index(best) + 1]
-    native._ext.set_isa(best)
-    native.set_activations(mode)
 
 
 def int8_matmul(x, w, s, b, group_size, isa):

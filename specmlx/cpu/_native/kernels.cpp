@@ -13,26 +13,11 @@
 #include <array>
 #include <utility>
 
-#include "mlx/types/half_types.h"
-
-
 namespace specmlx {
 namespace {
 
 // x rows kept hot in L2 while a thread sweeps its output rows (floats; 1 MiB).
 constexpr size_t kL2Floats = size_t(1) << 18;
-
-inline float scale_at(const void* p, size_t i, ScaleType t) {
-  switch (t) {
-    case ScaleType::f32:
-      return static_cast<const float*>(p)[i];
-    case ScaleType::bf16:
-      return static_cast<float>(static_cast<const mlx::core::bfloat16_t*>(p)[i]);
-    case ScaleType::f16:
-      return static_cast<float>(static_cast<const mlx::core::float16_t*>(p)[i]);
-  }
-  return 0.0f;
-}
 
 // One tile: output rows n and n + rows - 1 (rows is 1 or 2) for x rows m0 .. m0 + MT - 1.
 using TileFn = void (*)(const QmmJob&, int n, int rows, int m0);

@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "mlx/types/half_types.h"
+
 // Functions built for one ISA (the file stays baseline x86-64; see detect_isa).
 #define SPECMLX_F16C __attribute__((target("f16c")))
 #define SPECMLX_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -20,6 +22,19 @@ namespace specmlx {
 
 enum class ScaleType { f32, bf16, f16 };
 enum class Isa { scalar, avx2, avx512 };
+
+// A scale or bias as float, for the scalar kernels (MLX's conversions).
+inline float scale_at(const void* p, size_t i, ScaleType t) {
+  switch (t) {
+    case ScaleType::f32:
+      return static_cast<const float*>(p)[i];
+    case ScaleType::bf16:
+      return static_cast<float>(static_cast<const mlx::core::bfloat16_t*>(p)[i]);
+    case ScaleType::f16:
+      return static_cast<float>(static_cast<const mlx::core::float16_t*>(p)[i]);
+  }
+  return 0.0f;
+}
 
 // A scale or bias as float, for the AVX2 / AVX-512 kernels: fp16 is widened by one F16C
 // vcvtph2ps (MLX's float16_t converts in software, which made fp16 scales cost 20-30% of a

@@ -25,7 +25,6 @@
 #include <utility>
 
 #include "kernels.h"
-#include "mlx/types/half_types.h"
 
 // gcc 12's AVX-512 headers also trip -Wuninitialized on their _mm512_undefined_*() values
 // (in the reductions and conversions the quantizer uses).
@@ -36,18 +35,6 @@ namespace {
 
 // The L2 size the loop blocking plans for (bytes; 1 MiB, as on the cores this was tuned on).
 constexpr size_t kL2Bytes = size_t(1) << 20;
-
-inline float scale_at(const void* p, size_t i, ScaleType t) {
-  switch (t) {
-    case ScaleType::f32:
-      return static_cast<const float*>(p)[i];
-    case ScaleType::bf16:
-      return static_cast<float>(static_cast<const mlx::core::bfloat16_t*>(p)[i]);
-    case ScaleType::f16:
-      return static_cast<float>(static_cast<const mlx::core::float16_t*>(p)[i]);
-  }
-  return 0.0f;
-}
 
 // `count` (<= L) scales or biases from index i on, zero past them: the tail of a row must
 // not be read past the array's end.
