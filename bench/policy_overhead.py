@@ -1,38 +1,54 @@
-"""What auto's per-round policy work costs where it decodes plainly: the target alone
-against auto forced to plan γ = 0 every round (its plan and observe still run, the
-confidence read included), and against that without the confidence read. Interleaved,
-5 repeats of 48 tokens after one warm-up each, medians of decode ms per token.
+"""What auto's per-round policy work costs where it decodes plainly.
 
-    python bench/policy_overhead.py
+The target alone against auto made to plan γ = 0 every round (its plan and observe still
+run, the confidence read included), and against that without the confidence read.
+Interleaved, 5 repeats of 48 tokens after one warm-up each, medians of decode ms per token.
+
+    python bench/policy_overhead.py [--target DIR --draft DIR]
 """
 
-import os
-import statistics
+from __future__ import annotations
+
+import argparse
+from statistics import median
 
 import specmlx
 from specmlx.bench import encode
-from specmlx.policy import auto as auto_mod
+from specmlx.paths import home
+from specmlx.policy import auto
 from specmlx.policy.choice import Choice, Scheduler
 
-M = os.path.expanduser("~/.cache/specmlx/models")  # the offline pair (quantize/README.md)
-target = specmlx.load(f"{M}/qwen2.5-coder-1.5b-instruct-int4")
-draft = specmlx.load(f"{M}/qwen2.5-coder-0.5b-instruct-int4")
-prompt = encode(target, "Write a short story about a lighthouse keeper who finds a message in a bottle.", chat_template=True)
-orig_choose, orig_top = Scheduler.choose, auto_mod.top_probability
-def run(mode):
-    Scheduler.choose = (lambda self, remaining=None: Choice(0)) if mode != "alone" else orig_choose
-    auto_mod.top_probability = (lambda *a, **k: 0.5) if mode == "plain-auto-notop" else orig_top
-    if mode == "alone":
-        g = specmlx.generate(target, prompt, max_tokens=48, num_draft=0)
-    else:
-        g = specmlx.generate(target, prompt, draft=draft, max_tokens=48)
-    g.run()
-    return g.stats.decode_time / g.stats.tokens * 1000
-modes = ["alone", "plain-auto", "plain-auto-notop"]
-res = {m: [] for m in modes}
-for m in modes: run(m)
-for i in range(5):
-    for m in modes:
-        res[m].append(run(m))
-for m in modes:
-    print(m, "median ms/token", round(statistics.median(res[m]), 2), [round(x, 1) for x in res[m]])
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+MODES = ("alone", "auto planning plain", "auto planning plain, no confidence read")
+
+
+def main() -> None:
+    models = home() / "models"
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default=str(models / "qwen2.5-coder-1.5b-instruct-int4"))
+    ap.add_argument("--draft", default=str(models / "qwen2.5-coder-0.5b-instruct-int4"))
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args()
+    target, draft = specmlx.load(args.target), specmlx.load(args.draft)
+    prompt = encode(target, PROMPT, chat_template=True)
+    choose, top_probability = Scheduler.choose, auto.top_probability
+
+    def run(mode: str) -> float:
+        Scheduler.choose = choose if mode == "alone" else lambda self, remaining=None: Choice(0)
+        auto.top_probability = top_probability if "no confidence" not in mode else lambda *a: 0.5
+        draft_model = None if mode == "alone" else draft
+        gen = specmlx.generate(target, prompt, draft_model, max_tokens=48).run()
+        return gen.stats.decode_time / gen.stats.tokens * 1000
+
+    samples: dict[str, list[float]] = {m: [] for m in MODES}
+    for mode in MODES:
+        run(mode)  # warm-up
+    for _ in range(args.repeat):
+        for mode in MODES:
+            samples[mode].append(run(mode))
+    for mode, ms in samples.items():
+        print(f"{mode}: {median(ms):.2f} ms/token median of {[round(x, 1) for x in ms]}")
+
+
+if __name__ == "__main__":
+    main()
