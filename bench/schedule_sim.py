@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import random
+from bisect import bisect_left
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
@@ -217,7 +218,7 @@ def run_call(
         schedule = state.setdefault("schedule", random.Random(1234))
         while not toggles or toggles[-1] < clock[0]:
             toggles.append((toggles[-1] if toggles else 0.0) + schedule.expovariate(bursts))
-        return 1.6 if sum(t < clock[0] for t in toggles) % 2 else 1.0
+        return 1.6 if bisect_left(toggles, clock[0]) % 2 else 1.0
 
     def jitter(x: float) -> float:
         return x * load() * timing.lognormvariate(0, noise)

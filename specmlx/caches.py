@@ -243,11 +243,19 @@ def prefill(
             progress(min(start + step, len(tokens)), len(tokens))
 
 
-def timed_pass(model: Model, cache: list, tokens: list[int]) -> float:
-    """Seconds for one forward pass over `tokens`; the cache is left as it was."""
+def timed_pass(
+    model: Model,
+    cache: list,
+    tokens: list[int],
+    forward: Callable[[mx.array, list], mx.array] | None = None,
+) -> float:
+    """Seconds for one forward pass over `tokens`; the cache is left as it was.
+    `forward(x, cache)`: the pass to time over the (k,) tokens x, where it is not the
+    model's own (a draft head cut to a sub-vocabulary)."""
     saved = checkpoint(cache)
     start = time.perf_counter()
-    mx.eval(model.module(mx.array(tokens, mx.uint32)[None], cache=cache))
+    x = mx.array(tokens, mx.uint32)
+    mx.eval(forward(x, cache) if forward is not None else model.module(x[None], cache=cache))
     seconds = time.perf_counter() - start
     rewind(model, cache, saved, [], len(tokens))
     return seconds

@@ -320,18 +320,25 @@ def test_timing_a_draft_pass_leaves_its_cache_as_it_was(no_eos):
     assert mx.allclose(after, fresh.model.module(x, cache=fresh.cache), atol=1e-5)
 
 
-def test_a_cost_probe_retimes_the_draft_so_one_bad_figure_cannot_keep_it_out(
-    no_eos, monkeypatch, tmp_path
-):
-    # Seen: draft figures timed in a burst of load priced drafting out, and the cost
-    # probes that followed never ran the draft, so nothing could correct them.
+def hopeless_draft(no_eos, monkeypatch, tmp_path):
+    """A Session whose costs say T(1) is settled, verifying is nearly flat, and a draft
+    pass costs fifty target steps: drafting is hopeless. Returns (session, its costs)."""
     monkeypatch.setenv("SPECMLX_HOME", str(tmp_path))
     session = specmlx.Session(no_eos["target"], no_eos["perturbed"])
     costs = session.scheduler("model").costs
     costs.plain = [0.01] * 8
     for k in range(2, 10):
         costs.target[k] = [1.0 + 0.1 * (k - 1)] * 3
-    costs.draft = [50.0] * 3  # a draft fifty times the target's step: hopeless
+    costs.draft = [50.0] * 3
+    return session, costs
+
+
+def test_a_cost_probe_retimes_the_draft_so_one_bad_figure_cannot_keep_it_out(
+    no_eos, monkeypatch, tmp_path
+):
+    # Seen: draft figures timed in a burst of load priced drafting out, and the cost
+    # probes that followed never ran the draft, so nothing could correct them.
+    session, costs = hopeless_draft(no_eos, monkeypatch, tmp_path)
     gen = specmlx.generate(
         no_eos["target"], PROMPT, no_eos["perturbed"], max_tokens=40, session=session
     )
@@ -427,13 +434,7 @@ def test_target_alone_pipelined_gives_the_round_loops_tokens(no_eos, monkeypatch
 
 def test_stats_carry_the_measured_draft_cost_auto_kept_plain_for(no_eos, monkeypatch, tmp_path):
     # What the CLI says of an idle draft comes from Stats, not from the policy's insides.
-    monkeypatch.setenv("SPECMLX_HOME", str(tmp_path))
-    session = specmlx.Session(no_eos["target"], no_eos["perturbed"])
-    costs = session.scheduler("model").costs
-    costs.plain = [0.01] * 8
-    for k in range(2, 10):
-        costs.target[k] = [1.0 + 0.1 * (k - 1)] * 3
-    costs.draft = [50.0] * 3  # hopeless: auto stays plain
+    session, _ = hopeless_draft(no_eos, monkeypatch, tmp_path)
     gen = specmlx.generate(
         no_eos["target"], PROMPT, no_eos["perturbed"], max_tokens=10, session=session
     ).run()

@@ -155,14 +155,11 @@ def rows_exact(module: nn.Module) -> bool:
     scans differ in the logits' last bits (bench/row_exactness.py), harmless in float32
     but enough for int8 x's rounding to carry a near-tie to another greedy token, so that
     speculation would not decode what the target alone does."""
-    from mlx_lm.models.cache import CacheList, KVCache, make_prompt_cache
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-    def plain(cache) -> bool:
-        if isinstance(cache, CacheList):
-            return all(plain(c) for c in cache.caches)
-        return type(cache) is KVCache
+    from ..caches import layers
 
-    return all(plain(c) for c in make_prompt_cache(module))
+    return all(type(c) is KVCache for c in layers(make_prompt_cache(module)))
 
 
 def keep_exact(module: nn.Module, name: str) -> None:

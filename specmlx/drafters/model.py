@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -114,17 +115,8 @@ class ModelDrafter:
         without taking what it missed (best of two: a process's first pass pays one-time
         work, and one pass can meet a burst of load)."""
         token = (self.cached or self.pending)[-1:]
-        timed = timed_pass if self.head is None else self._timed_head_pass
-        return min(timed(self.model, self.cache, token) for _ in range(2))
-
-    def _timed_head_pass(self, model: Model, cache: list, tokens: list[int]) -> float:
-        """caches.timed_pass through the sub-vocabulary head."""
-        saved = checkpoint(cache)
-        start = time.perf_counter()
-        mx.eval(self.head.logits(model.module, mx.array(tokens, mx.uint32), cache))
-        seconds = time.perf_counter() - start
-        rewind(model, cache, saved, [], len(tokens))
-        return seconds
+        forward = None if self.head is None else partial(self.head.logits, self.model.module)
+        return min(timed_pass(self.model, self.cache, token, forward) for _ in range(2))
 
     def _feed(self, n: int) -> None:
         """Feed the first n pending tokens through the draft as a prefill."""
