@@ -230,3 +230,12 @@ def test_costs_measured_with_one_head_are_not_read_for_another(pair, monkeypatch
     monkeypatch.setenv(ENV, "full")
     full_key = specmlx.Session(target, draft).cost_key
     assert cut_key != full_key and f"head {N}" in cut_key
+
+
+def test_sessions_of_one_draft_share_its_cut_head(pair, monkeypatch):
+    # Every Session (a chat's /reset, each bench call, the server's pool) would otherwise
+    # copy the head's rows again.
+    target, draft = pair["target"], pair["draft"]
+    first, again = session(target, draft, monkeypatch), session(target, draft, monkeypatch)
+    assert again.drafter.head is first.drafter.head
+    assert session(target, draft, monkeypatch, N + 1).drafter.head is not first.drafter.head

@@ -21,6 +21,7 @@ import copy
 import hashlib
 import json
 import os
+import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -162,6 +163,29 @@ def draft_size(model: Model) -> int | None:
     return size
 
 
+# Cut heads by (id of the draft Model, size, width, its EOS ids: the sub-vocabulary keeps
+# them), each with a weak reference to its Model. Every Session of a draft model (a chat's
+# /reset, each bench call, the server's pool) shares one cut head instead of building the
+# sub-vocabulary and copying the head's rows again.
+_heads: dict[tuple, tuple[weakref.ref, SubHead]] = {}
+
+
+def shared_sub_head(model: Model, size: int, width: int) -> SubHead:
+    """sub_head over sub_vocab(model, size), made once per draft model while it lives."""
+    key = (id(model), size, width, tuple(sorted(model.tokenizer.eos_token_ids)))
+    hit = _heads.get(key)
+    if hit is not None and hit[0]() is model:
+        return hit[1]
+
+    def forget(ref: weakref.ref) -> None:  # the model is gone (its id may be reused)
+        if _heads.get(key, (None,))[0] is ref:
+            del _heads[key]
+
+    head = sub_head(model, sub_vocab(model, size), width)
+    _heads[key] = (weakref.ref(model, forget), head)
+    return head
+
+
 def model_drafter(model: Model, width: int) -> ModelDrafter:
     """The draft model's drafter: with the head cut to draft_size's tokens where that is
     set, else its full head. `width`: the vocabulary verify compares over."""
@@ -169,4 +193,4 @@ def model_drafter(model: Model, width: int) -> ModelDrafter:
     # A target with fewer tokens than the draft: the full head (the draw cuts its logits).
     if size is None or width < model.vocab_size:
         return ModelDrafter(model)
-    return ModelDrafter(model, sub_head(model, sub_vocab(model, size), width))
+    return ModelDrafter(model, shared_sub_head(model, size, width))
