@@ -4,6 +4,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include "attention.h"
 #include "mapped.h"
 #include "mlx/version.h"
 #include "qmm.h"
@@ -43,6 +44,20 @@ NB_MODULE(_ext, m) {
       "x"_a,
       "Softmax over the last axis of a float32 array, on the default CPU stream.");
   m.def(
+      "scaled_dot_product_attention",
+      [](const specmlx::mx::array& q,
+         const specmlx::mx::array& k,
+         const specmlx::mx::array& v,
+         float scale,
+         bool causal) { return specmlx::scaled_dot_product_attention(q, k, v, scale, causal); },
+      "q"_a,
+      "k"_a,
+      "v"_a,
+      "scale"_a,
+      "causal"_a = false,
+      "softmax(q @ k.T * scale (+ causal mask)) @ v for float32 (B, H, L, D), GQA, on the "
+      "default CPU stream; each query row's bits independent of the rows beside it.");
+  m.def(
       "map_tensors",
       &specmlx::map_tensors,
       "path"_a,
@@ -57,7 +72,7 @@ NB_MODULE(_ext, m) {
   m.def("set_threads", &specmlx::set_threads, "n"_a, "Resize the kernel's thread pool.");
   m.def("isa", &specmlx::isa, "The instruction set the kernel runs with.");
   m.def("set_isa", &specmlx::set_isa, "name"_a, "Force 'avx512', 'avx2' or 'scalar' (tests).");
-  m.def("activations", &specmlx::activations, "What the 4-bit kernels multiply: 'int8' or 'float32' x.");
+  m.def("activations", &specmlx::activations, "What the kernels multiply: 'int8' or 'float32' x.");
   m.def(
       "set_activations",
       &specmlx::set_activations,

@@ -65,7 +65,7 @@ struct QmmJob {
   float* y;  // M x N
   int M, N, K, group_size, bits;
   int ldx;  // row stride of x, padded past K (see row_stride in qmm.cpp)
-  // int8 activations (4 bits only; x above is then unused), see quantize_row_q8:
+  // int8 activations (x above is then unused), see quantize_row_q8:
   const int8_t* xq = nullptr;  // M rows of ldq codes, in the q8 tiles' chunk order
   const float* xd = nullptr;   // M rows of ldd: the scale of each 32-block
   const float* xs = nullptr;   // M rows of ldg: per weight group, sum of scale * code
@@ -86,19 +86,21 @@ int isa_lanes(Isa isa);
 // Output rows [n0, n1) for all M rows of x. Safe to call concurrently on disjoint ranges.
 void qmm_rows(Isa isa, const QmmJob& job, int n0, int n1);
 
-// The int8-activation path. Its tiles consume chunks of q8_chunk(isa) codes (1: k order);
-// q8 rows are padded to a whole number of chunks, and then to the strides below.
+// The int8-activation path. Its 4-bit tiles consume chunks of q8_chunk(isa) codes (1: k
+// order), its 8-bit ones take x in k order; q8 rows are padded to a whole number of
+// chunks, and then to the strides below.
 int q8_chunk(Isa isa);
 const char* q8_kernel_name(Isa isa);  // what q8 tiles run under isa: vnni512, avx2, scalar
 int q8_row_bytes(int K, Isa isa);     // ldq
 int q8_row_scales(int K, Isa isa);    // ldd: one scale per 32-block
 int q8_row_groups(int K, int group_size);  // ldg
 
-// One row of float x into q (ldq bytes), d (ldd floats), s (ldg floats). A row's codes
-// depend on that row alone, so its result never depends on the rows quantized with it.
-void quantize_row_q8(const float* x, int K, int group_size, Isa isa, int8_t* q, float* d, float* s);
+// One row of float x into q (ldq bytes), d (ldd floats), s (ldg floats), laid out for the
+// weights' bits. A row's codes depend on that row alone, so its result never depends on the
+// rows quantized with it.
+void quantize_row_q8(const float* x, int K, int group_size, int bits, Isa isa, int8_t* q, float* d, float* s);
 
-// Output rows [n0, n1) for all M rows of the quantized x; 4 bits only.
+// Output rows [n0, n1) for all M rows of the quantized x; 4 or 8 bits.
 void qmm_rows_q8(Isa isa, const QmmJob& job, int n0, int n1);
 
 } // namespace specmlx

@@ -1,19 +1,23 @@
-// INT4 weights x int8 activations: y = x @ dequant(W)^T with each 32-block of a row of x
-// quantized to int8 codes q and a float scale d (x ~ d * q), so that for one weight group
-// (scale s, bias b, 4-bit codes c):
+// INT4 and INT8 weights x int8 activations: y = x @ dequant(W)^T with each 32-block of a
+// row of x quantized to int8 codes q and a float scale d (x ~ d * q), so that for one weight
+// group (scale s, bias b, unsigned codes c: 0..15 or 0..255):
 //
 //   sum_k (s * c_k + b) * x_k  ~  s * sum_blocks d * (sum_k c_k * q_k)  +  b * sum_blocks d * sum_k q_k
 //
-// The inner sums are exact integer dot products (u8 codes 0..15 x s8 codes: vpdpbusd on
-// AVX-512 VNNI, maddubs + madd on AVX2); the second term is a short float dot over groups,
-// with sum(d * q) precomputed per group when x is quantized (quantize_row_q8).
+// The inner sums are exact integer dot products (u8 codes x s8 codes: vpdpbusd on AVX-512
+// VNNI; on AVX2 maddubs + madd for 4 bits, 16-bit widening + madd for 8); the second term
+// is a short float dot over groups, with sum(d * q) precomputed per group when x is
+// quantized (quantize_row_q8).
 //
-// Layout: a weight row is K/2 bytes, byte i holding codes 2i (low nibble) and 2i + 1 (high).
-// The tiles take a chunk of bytes at a time (64 = 128 codes on AVX-512, 32 on AVX2), mask
-// the low nibbles into one register and the high nibbles into another; x is packed so that
-// the same chunk of q holds the even-k codes, then the odd-k ones. An int32 lane then sums
-// the products for 8 consecutive k, whose scales are known: the d of its 32-block and the
-// s of its weight group.
+// 4-bit layout: a weight row is K/2 bytes, byte i holding codes 2i (low nibble) and 2i + 1
+// (high). The tiles take a chunk of bytes at a time (64 = 128 codes on AVX-512, 32 on AVX2),
+// mask the low nibbles into one register and the high nibbles into another; x is packed so
+// that the same chunk of q holds the even-k codes, then the odd-k ones. An int32 lane then
+// sums the products for 8 consecutive k, whose scales are known: the d of its 32-block and
+// the s of its weight group.
+//
+// 8-bit layout: a weight row is K bytes in k order, and so is q. A chunk is 64 bytes on
+// AVX-512 (one vpdpbusd: lanes of 4 consecutive k) and 32 on AVX2 (one x block).
 //
 // Every row of x runs the same operations in the same order whatever the tile's other rows
 // are, so a row's result does not depend on M, nor (rows are split, sums are not) on threads.
@@ -80,8 +84,12 @@ Isa q8_isa(Isa isa) {
 // Scalar: k order, one lane of 8 codes at a time, as the vector tiles sum them.
 constexpr int kScalarMaxRows = 4;
 
+inline int code_at(const uint8_t* w, int k, int bits) {
+  return bits == 8 ? w[k] : (w[k / 2] >> (4 * (k & 1))) & 15;
+}
+
 void tile_q8_scalar(const QmmJob& j, int n, int rows, int m0, int mt) {
-  const int bytes = j.K / 2, groups = j.K / j.group_size;
+  const int bytes = j.K * j.bits / 8, groups = j.K / j.group_size;
   for (int r = 0; r < rows; ++r) {
     const uint8_t* w = reinterpret_cast<const uint8_t*>(j.w) + size_t(n + r) * bytes;
     const size_t srow = size_t(n + r) * groups;
@@ -93,7 +101,7 @@ void tile_q8_scalar(const QmmJob& j, int n, int rows, int m0, int mt) {
       for (int k0 = 0; k0 < j.K; k0 += 8) {
         int dot = 0;
         for (int k = k0; k < k0 + 8; ++k) {
-          dot += int((w[k / 2] >> (4 * (k & 1))) & 15) * q[k];
+          dot += code_at(w, k, j.bits) * q[k];
         }
         acc += float(dot) * (scale_at(j.scales, srow + k0 / j.group_size, j.stype) * d[k0 / kQ8Block]);
       }
@@ -106,30 +114,31 @@ void tile_q8_scalar(const QmmJob& j, int n, int rows, int m0, int mt) {
 }
 
 // ---------------------------------------------------------------------------------------
-// AVX-512 VNNI: a chunk is 64 bytes (128 codes, 1-4 groups). Per row of x and output row,
-// two vpdpbusd leave 16 int32 lanes of 8-code sums; a 128-bit quarter of them is one x
-// block (32 codes) and so one weight group too. The two output rows' lanes are then folded
-// into one register (unpack low/high and add, within quarters: lanes alternate between
-// the rows, each a 16-code sum of one block), so the float work (convert, s * d, FMA) is
-// done once per row pair, not per row. Even lanes accumulate the first output row, odd
-// lanes the second; MT rows of x share every decoded chunk.
+// AVX-512 VNNI: a chunk is 64 bytes (4 bits: 128 codes, 1-4 groups). Per row of x and
+// output row, two vpdpbusd leave 16 int32 lanes of 8-code sums; a 128-bit quarter of them
+// is one x block (32 codes) and so one weight group too. With 8 bits a chunk is 64 codes
+// (1-2 groups) and one vpdpbusd leaves lanes of 4-code sums, a quarter being half an x block.
+// The two output rows' lanes are then folded into one register (unpack low/high and add,
+// within quarters: lanes alternate between the rows, each sum inside one block), so the
+// float work (convert, s * d, FMA) is done once per row pair, not per row. Even lanes
+// accumulate the first output row, odd lanes the second; MT rows of x share every chunk.
 constexpr int kVnniMaxRows = 8;  // 8 accumulators + 4 code registers + temporaries
 
-// The chunk's scales for lanes laid out as above: quarter q holds group 32q/GS of the
-// chunk, lanes alternate between the two output rows (16 + g picks row 1's group g).
-template <int GS>
+// The chunk's scales for lanes laid out as above: quarter q holds the QC codes from QC * q
+// on (32 for 4 bits, 16 for 8), so group QC * q / GS of the chunk; lanes alternate between
+// the two output rows (16 + g picks row 1's group g).
+template <int GS, int QC>
 constexpr int pair_lane(int l) {
-  return (l % 2) * 16 + (l / 4) * 32 / GS;
+  return (l % 2) * 16 + (l / 4) * QC / GS;
 }
 
-template <int GS>
+template <int GS, int QC>
 SPECMLX_VNNI512 inline __m512 pair_scales512(
     const void* p, size_t i0, size_t i1, ScaleType t, int count) {
+  constexpr auto lane = pair_lane<GS, QC>;  // a name: the macro would split its commas
   const __m512i idx = _mm512_setr_epi32(
-      pair_lane<GS>(0), pair_lane<GS>(1), pair_lane<GS>(2), pair_lane<GS>(3), pair_lane<GS>(4),
-      pair_lane<GS>(5), pair_lane<GS>(6), pair_lane<GS>(7), pair_lane<GS>(8), pair_lane<GS>(9),
-      pair_lane<GS>(10), pair_lane<GS>(11), pair_lane<GS>(12), pair_lane<GS>(13),
-      pair_lane<GS>(14), pair_lane<GS>(15));
+      lane(0), lane(1), lane(2), lane(3), lane(4), lane(5), lane(6), lane(7), lane(8), lane(9),
+      lane(10), lane(11), lane(12), lane(13), lane(14), lane(15));
   if (t == ScaleType::f32) {
     const __mmask16 valid = __mmask16((1u << count) - 1);
     const float* f = static_cast<const float*>(p);
@@ -163,10 +172,10 @@ SPECMLX_VNNI512 inline __m256 biases8_512(const void* p, size_t i, ScaleType t, 
   return _mm256_loadu_ps(scales_from<8>(p, i, t, count).data());
 }
 
-template <int MT, int GS>
+template <int MT, int GS, int BITS>
 SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n, int rows, int m0) {
-  constexpr int kCodes = 128, kBytes = kCodes / 2, kGroups = kCodes / GS;
-  const int bytes = j.K / 2, groups = j.K / GS;
+  constexpr int kCodes = 512 / BITS, kBytes = 64, kGroups = std::max(1, kCodes / GS);
+  const int bytes = j.K * BITS / 8, groups = j.K / GS;
   const int chunks = (j.K + kCodes - 1) / kCodes;
   const int tail = bytes - (chunks - 1) * kBytes;  // bytes in the last chunk, 16..64
   const __mmask64 tail_mask = tail == kBytes ? ~__mmask64(0) : (__mmask64(1) << tail) - 1;
@@ -177,9 +186,11 @@ SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n, int rows, int m0) {
   const int8_t* xq = j.xq + size_t(m0) * j.ldq;
   const float* xd = j.xd + size_t(m0) * j.ldd;
   const __m512i low4 = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
-  // x's 4 block scales of a chunk, one per quarter (kept per block, not per lane: at
-  // K = 8960 a few rows of x then still fit in L1 beside the weights streaming through)
-  const __m512i quarters = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  // x's block scales of a chunk spread over its quarters: 4 bits, one block per quarter;
+  // 8 bits, one per half. (Kept per block, not per lane: at K = 8960 a few rows of x then
+  // still fit in L1 beside the weights streaming through.)
+  const __m512i quarters = BITS == 4 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+                                     : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
 
   // Every loop over acc is unrolled: with a loop left over it, GCC keeps acc in memory
   // and stores each accumulator once per chunk (10-20% of a row).
@@ -203,20 +214,28 @@ SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n, int rows, int m0) {
     const uint8_t* p1 = w1 + c * kBytes;
     const __m512i b0 = full ? _mm512_loadu_si512(p0) : _mm512_maskz_loadu_epi8(tail_mask, p0);
     const __m512i b1 = full ? _mm512_loadu_si512(p1) : _mm512_maskz_loadu_epi8(tail_mask, p1);
-    const __m512i lo0 = _mm512_and_si512(b0, low4);
-    const __m512i hi0 = _mm512_and_si512(_mm512_srli_epi16(b0, 4), low4);
-    const __m512i lo1 = _mm512_and_si512(b1, low4);
-    const __m512i hi1 = _mm512_and_si512(_mm512_srli_epi16(b1, 4), low4);
-    const int g0 = c * kGroups, count = std::min(kGroups, groups - g0);
-    const __m512 sc = pair_scales512<GS>(j.scales, s0 + g0, s1 + g0, j.stype, count);
+    // 8 bits: the bytes as they are; 4 bits: low and high nibbles, two vpdpbusd per row
+    __m512i lo0 = b0, lo1 = b1, hi0, hi1;
+    if constexpr (BITS == 4) {
+      lo0 = _mm512_and_si512(b0, low4);
+      hi0 = _mm512_and_si512(_mm512_srli_epi16(b0, 4), low4);
+      lo1 = _mm512_and_si512(b1, low4);
+      hi1 = _mm512_and_si512(_mm512_srli_epi16(b1, 4), low4);
+    }
+    const int g0 = c * kCodes / GS, count = std::min(kGroups, groups - g0);
+    const __m512 sc = pair_scales512<GS, kCodes / 4>(j.scales, s0 + g0, s1 + g0, j.stype, count);
     #pragma GCC unroll 16
     for (int m = 0; m < MT; ++m) {
       const int8_t* q = xq + size_t(m) * j.ldq + c * kCodes;
       const __m512i xl = _mm512_loadu_si512(q);
-      const __m512i xh = _mm512_loadu_si512(q + kBytes);
-      const __m512 d = _mm512_permutexvar_ps(quarters, _mm512_castps128_ps512(_mm_loadu_ps(xd + size_t(m) * j.ldd + c * 4)));
-      const __m512i i0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo0, xl), hi0, xh);
-      const __m512i i1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo1, xl), hi1, xh);
+      const __m512 d = _mm512_permutexvar_ps(
+          quarters, _mm512_castps128_ps512(_mm_loadu_ps(xd + size_t(m) * j.ldd + c * kCodes / kQ8Block)));
+      __m512i i0 = _mm512_dpbusd_epi32(zero, lo0, xl), i1 = _mm512_dpbusd_epi32(zero, lo1, xl);
+      if constexpr (BITS == 4) {
+        const __m512i xh = _mm512_loadu_si512(q + kBytes);
+        i0 = _mm512_dpbusd_epi32(i0, hi0, xh);
+        i1 = _mm512_dpbusd_epi32(i1, hi1, xh);
+      }
       const __m512i both = _mm512_add_epi32(_mm512_unpacklo_epi32(i0, i1), _mm512_unpackhi_epi32(i0, i1));
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(both), _mm512_mul_ps(sc, d), acc[m]);
     }
@@ -247,10 +266,13 @@ SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n, int rows, int m0) {
 }
 
 // ---------------------------------------------------------------------------------------
-// AVX2: a chunk is 32 bytes (64 codes). maddubs multiplies u8 codes by s8 codes and adds
-// neighbours into int16 (at most 2 * 15 * 127, and low + high nibbles at most twice that:
-// no saturation), madd with ones adds neighbouring int16 into the same 8-code int32 lanes
-// as vpdpbusd. Only 16 ymm registers: 2 * 4 accumulators.
+// AVX2: a chunk is 32 bytes (4 bits: 64 codes). maddubs multiplies u8 codes by s8 codes and
+// adds neighbours into int16 (at most 2 * 15 * 127, and low + high nibbles at most twice
+// that: no saturation), madd with ones adds neighbouring int16 into the same 8-code int32
+// lanes as vpdpbusd. 8-bit codes would saturate maddubs (2 * 255 * 127 > 32767), so there a
+// chunk (32 codes, one x block) is widened to int16, codes and q alike, and madd sums pairs
+// into int32 (at most 2 * 255 * 127): lanes of 4-code sums after adding the two halves.
+// Only 16 ymm registers: 2 * 4 accumulators.
 constexpr int kAvx2MaxRows = 4;
 
 template <int GS>
@@ -287,10 +309,10 @@ SPECMLX_AVX2_Q8 inline __m256i load_chunk32(const uint8_t* p, bool full) {
   return full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)) : _mm256_zextsi128_si256(low);
 }
 
-template <int MT, int GS>
+template <int MT, int GS, int BITS>
 SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n, int rows, int m0) {
-  constexpr int kCodes = 64, kBytes = kCodes / 2;
-  const int bytes = j.K / 2, groups = j.K / GS;
+  constexpr int kCodes = 256 / BITS, kBytes = 32;
+  const int bytes = j.K * BITS / 8, groups = j.K / GS;
   const int chunks = (j.K + kCodes - 1) / kCodes;
   const bool full_tail = bytes - (chunks - 1) * kBytes == kBytes;  // else 16 bytes
   const int n1 = n + rows - 1;
@@ -317,23 +339,45 @@ SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n, int rows, int m0) {
     const bool full = c + 1 < chunks || full_tail;
     const __m256i b0 = load_chunk32(w0 + c * kBytes, full);
     const __m256i b1 = load_chunk32(w1 + c * kBytes, full);
-    const __m256i lo0 = _mm256_and_si256(b0, low4);
-    const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(b0, 4), low4);
-    const __m256i lo1 = _mm256_and_si256(b1, low4);
-    const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(b1, 4), low4);
+    // Two registers of codes per row: 4 bits, the low and the high nibbles; 8 bits, the
+    // chunk's first and last 16 codes widened to int16.
+    __m256i lo0, hi0, lo1, hi1;
+    if constexpr (BITS == 4) {
+      lo0 = _mm256_and_si256(b0, low4);
+      hi0 = _mm256_and_si256(_mm256_srli_epi16(b0, 4), low4);
+      lo1 = _mm256_and_si256(b1, low4);
+      hi1 = _mm256_and_si256(_mm256_srli_epi16(b1, 4), low4);
+    } else {
+      lo0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(b0));
+      hi0 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(b0, 1));
+      lo1 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(b1));
+      hi1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(b1, 1));
+    }
     const int g0 = c * kCodes / GS, count = std::min(std::max(1, kCodes / GS), groups - g0);
-    const __m256 sc0 = lane_scales256<GS>(j.scales, s0 + g0, j.stype, count);
-    const __m256 sc1 = lane_scales256<GS>(j.scales, s1 + g0, j.stype, count);
+    // 8 bits: one group per chunk, so lane_scales256<64> (one scale for all lanes) fits
+    const __m256 sc0 = lane_scales256<BITS == 4 ? GS : 64>(j.scales, s0 + g0, j.stype, count);
+    const __m256 sc1 = lane_scales256<BITS == 4 ? GS : 64>(j.scales, s1 + g0, j.stype, count);
     #pragma GCC unroll 16
     for (int m = 0; m < MT; ++m) {
       const int8_t* q = xq + size_t(m) * j.ldq + c * kCodes;
-      const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-      const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + kBytes));
-      const float* dm = xd + size_t(m) * j.ldd + c * 2;  // the chunk's two blocks
-      const __m256 d = _mm256_setr_m128(_mm_set1_ps(dm[0]), _mm_set1_ps(dm[1]));
-      const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xl), _mm256_maddubs_epi16(hi0, xh));
-      const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xl), _mm256_maddubs_epi16(hi1, xh));
-      const __m256i i0 = _mm256_madd_epi16(p0, ones), i1 = _mm256_madd_epi16(p1, ones);
+      const float* dm = xd + size_t(m) * j.ldd + c * kCodes / kQ8Block;  // the chunk's blocks
+      __m256i i0, i1;
+      __m256 d;
+      if constexpr (BITS == 4) {
+        const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+        const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + kBytes));
+        d = _mm256_setr_m128(_mm_set1_ps(dm[0]), _mm_set1_ps(dm[1]));
+        const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xl), _mm256_maddubs_epi16(hi0, xh));
+        const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xl), _mm256_maddubs_epi16(hi1, xh));
+        i0 = _mm256_madd_epi16(p0, ones);
+        i1 = _mm256_madd_epi16(p1, ones);
+      } else {
+        const __m256i xl = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+        const __m256i xh = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
+        d = _mm256_set1_ps(dm[0]);
+        i0 = _mm256_add_epi32(_mm256_madd_epi16(lo0, xl), _mm256_madd_epi16(hi0, xh));
+        i1 = _mm256_add_epi32(_mm256_madd_epi16(lo1, xl), _mm256_madd_epi16(hi1, xh));
+      }
       acc0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(sc0, d), acc0[m]);
       acc1[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(sc1, d), acc1[m]);
     }
@@ -360,38 +404,40 @@ SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n, int rows, int m0) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Tables of instantiations: [group size 32/64/128][MT - 1].
-template <int MT, int GS>
+// Tables of instantiations: [bits 4/8][group size 32/64/128][MT - 1].
+template <int MT, int GS, int BITS>
 void run_vnni512(const QmmJob& j, int n, int rows, int m0) {
-  tile_q8_vnni512<MT, GS>(j, n, rows, m0);
+  tile_q8_vnni512<MT, GS, BITS>(j, n, rows, m0);
 }
-template <int MT, int GS>
+template <int MT, int GS, int BITS>
 void run_avx2(const QmmJob& j, int n, int rows, int m0) {
-  tile_q8_avx2<MT, GS>(j, n, rows, m0);
+  tile_q8_avx2<MT, GS, BITS>(j, n, rows, m0);
 }
 
-template <int GS, int... MT>
+template <int GS, int BITS, int... MT>
 constexpr std::array<TileFn, sizeof...(MT)> vnni512_tiles(std::integer_sequence<int, MT...>) {
-  return {&run_vnni512<MT + 1, GS>...};
+  return {&run_vnni512<MT + 1, GS, BITS>...};
 }
-template <int GS, int... MT>
+template <int GS, int BITS, int... MT>
 constexpr std::array<TileFn, sizeof...(MT)> avx2_tiles(std::integer_sequence<int, MT...>) {
-  return {&run_avx2<MT + 1, GS>...};
+  return {&run_avx2<MT + 1, GS, BITS>...};
 }
 
+template <int BITS>
 TileFn pick_vnni512(int group_size, int mt) {
   using Seq = std::make_integer_sequence<int, kVnniMaxRows>;
-  static constexpr auto g32 = vnni512_tiles<32>(Seq{});
-  static constexpr auto g64 = vnni512_tiles<64>(Seq{});
-  static constexpr auto g128 = vnni512_tiles<128>(Seq{});
+  static constexpr auto g32 = vnni512_tiles<32, BITS>(Seq{});
+  static constexpr auto g64 = vnni512_tiles<64, BITS>(Seq{});
+  static constexpr auto g128 = vnni512_tiles<128, BITS>(Seq{});
   return (group_size == 32 ? g32 : group_size == 64 ? g64 : g128)[mt - 1];
 }
 
+template <int BITS>
 TileFn pick_avx2(int group_size, int mt) {
   using Seq = std::make_integer_sequence<int, kAvx2MaxRows>;
-  static constexpr auto g32 = avx2_tiles<32>(Seq{});
-  static constexpr auto g64 = avx2_tiles<64>(Seq{});
-  static constexpr auto g128 = avx2_tiles<128>(Seq{});
+  static constexpr auto g32 = avx2_tiles<32, BITS>(Seq{});
+  static constexpr auto g64 = avx2_tiles<64, BITS>(Seq{});
+  static constexpr auto g128 = avx2_tiles<128, BITS>(Seq{});
   return (group_size == 32 ? g32 : group_size == 64 ? g64 : g128)[mt - 1];
 }
 
@@ -429,7 +475,9 @@ Block quantize_block(const float* x, int8_t* even, int8_t* odd, int step) {
   return {amax / 127.0f, sum};
 }
 
-SPECMLX_VNNI512 Block quantize_block512(const float* x, int8_t* even, int8_t* odd) {
+// The vector versions store the block's codes split (even k to `even`, odd k to `odd`, 16
+// each) or, with split false, in k order from `even` on.
+SPECMLX_VNNI512 Block quantize_block512(const float* x, int8_t* even, int8_t* odd, bool split) {
   const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
   const __m512 inv = _mm512_set1_ps(block_inverse(amax));
@@ -438,12 +486,17 @@ SPECMLX_VNNI512 Block quantize_block512(const float* x, int8_t* even, int8_t* od
   const __m512i cb = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(b, inv)), lim), neg);
   const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(even), _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(ca, evens, cb)));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(odd), _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(ca, odds, cb)));
+  if (split) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(even), _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(ca, evens, cb)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(odd), _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(ca, odds, cb)));
+  } else {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(even), _mm512_cvtepi32_epi8(ca));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(even + 16), _mm512_cvtepi32_epi8(cb));
+  }
   return {amax / 127.0f, _mm512_reduce_add_epi32(_mm512_add_epi32(ca, cb))};
 }
 
-SPECMLX_AVX2_Q8 Block quantize_block256(const float* x, int8_t* even, int8_t* odd) {
+SPECMLX_AVX2_Q8 Block quantize_block256(const float* x, int8_t* even, int8_t* odd, bool split) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   __m256 v[4], m = _mm256_setzero_ps();
   for (int i = 0; i < 4; ++i) {
@@ -464,8 +517,13 @@ SPECMLX_AVX2_Q8 Block quantize_block256(const float* x, int8_t* even, int8_t* od
     sum = _mm256_add_epi32(sum, c);
   }
   for (int i = 0; i < kQ8Block; i += 2) {
-    even[i / 2] = int8_t(codes[i]);
-    odd[i / 2] = int8_t(codes[i + 1]);
+    if (split) {
+      even[i / 2] = int8_t(codes[i]);
+      odd[i / 2] = int8_t(codes[i + 1]);
+    } else {
+      even[i] = int8_t(codes[i]);
+      even[i + 1] = int8_t(codes[i + 1]);
+    }
   }
   __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
   t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
@@ -513,8 +571,8 @@ int q8_row_groups(int K, int group_size) {
   return round_up(K / group_size, 16);  // the bias step reads 16 groups at a time
 }
 
-void quantize_row_q8(const float* x, int K, int group_size, Isa isa, int8_t* q, float* d, float* s) {
-  const int chunk = q8_chunk(isa);
+void quantize_row_q8(const float* x, int K, int group_size, int bits, Isa isa, int8_t* q, float* d, float* s) {
+  const int chunk = bits == 8 ? 1 : q8_chunk(isa);  // 8-bit codes, and so q, are in k order
   const Isa kernel = q8_isa(isa);
   std::fill_n(q, q8_row_bytes(K, isa), int8_t(0));
   std::fill_n(d, q8_row_scales(K, isa), 0.0f);
@@ -531,8 +589,9 @@ void quantize_row_q8(const float* x, int K, int group_size, Isa isa, int8_t* q, 
       odd = even + chunk / 2;
       step = 1;
     }
-    const Block b = kernel == Isa::avx512 ? quantize_block512(x + k0, even, odd)
-        : kernel == Isa::avx2             ? quantize_block256(x + k0, even, odd)
+    const bool split = chunk > 1;
+    const Block b = kernel == Isa::avx512 ? quantize_block512(x + k0, even, odd, split)
+        : kernel == Isa::avx2             ? quantize_block256(x + k0, even, odd, split)
                                           : quantize_block(x + k0, even, odd, step);
     d[k0 / kQ8Block] = b.scale;
     s[k0 / group_size] += b.scale * float(b.sum);
@@ -547,7 +606,7 @@ void qmm_rows_q8(Isa isa, const QmmJob& j, int n0, int n1) {
   // before the next tile comes in. With one tile (decode, verify) this is just the row
   // pairs in order; for prefill it reads each weight from memory once, not M / MT times,
   // and each x row from L2 once per block.
-  const size_t weight_bytes = size_t(j.K) / 2 + 8 * size_t(j.K / j.group_size);
+  const size_t weight_bytes = size_t(j.K) * j.bits / 8 + 8 * size_t(j.K / j.group_size);
   const int block = std::max(2, int(kL2Bytes / 2 / weight_bytes) / 2 * 2);
   for (int nb = n0; nb < n1; nb += block) {
     const int nb_end = std::min(n1, nb + block);
@@ -557,10 +616,10 @@ void qmm_rows_q8(Isa isa, const QmmJob& j, int n0, int n1) {
         const int rows = std::min(2, nb_end - n);
         switch (tiles) {
           case Isa::avx512:
-            pick_vnni512(j.group_size, mt)(j, n, rows, m0);
+            (j.bits == 4 ? pick_vnni512<4> : pick_vnni512<8>)(j.group_size, mt)(j, n, rows, m0);
             break;
           case Isa::avx2:
-            pick_avx2(j.group_size, mt)(j, n, rows, m0);
+            (j.bits == 4 ? pick_avx2<4> : pick_avx2<8>)(j.group_size, mt)(j, n, rows, m0);
             break;
           case Isa::scalar:
             tile_q8_scalar(j, n, rows, m0, mt);

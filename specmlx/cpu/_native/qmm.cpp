@@ -91,7 +91,7 @@ T* scratch(std::unique_ptr<T[]>& buf, size_t& cap, size_t n) {
 
 // The rows of x as float32, one at a time, into the int8 layout of kernels_q8.cpp.
 template <typename T>
-void quantize_x(const T* src, int M, int K, int gs, Isa isa, int8_t* q, float* d, float* s) {
+void quantize_x(const T* src, int M, int K, int gs, int bits, Isa isa, int8_t* q, float* d, float* s) {
   thread_local std::unique_ptr<float[]> row_buf;
   thread_local size_t row_cap = 0;
   float* row = std::is_same_v<T, float> ? nullptr : scratch(row_buf, row_cap, size_t(K));
@@ -105,17 +105,18 @@ void quantize_x(const T* src, int M, int K, int gs, Isa isa, int8_t* q, float* d
       std::transform(x, x + K, row, [](T v) { return static_cast<float>(v); });
       xf = row;
     }
-    quantize_row_q8(xf, K, gs, isa, q + m * ldq, d + m * ldd, s + m * ldg);
+    quantize_row_q8(xf, K, gs, bits, isa, q + m * ldq, d + m * ldd, s + m * ldg);
   }
 }
 
-void quantize_any(const void* src, mx::Dtype t, int M, int K, int gs, Isa isa, int8_t* q, float* d, float* s) {
+void quantize_any(
+    const void* src, mx::Dtype t, int M, int K, int gs, int bits, Isa isa, int8_t* q, float* d, float* s) {
   if (t == mx::float32) {
-    quantize_x(static_cast<const float*>(src), M, K, gs, isa, q, d, s);
+    quantize_x(static_cast<const float*>(src), M, K, gs, bits, isa, q, d, s);
   } else if (t == mx::bfloat16) {
-    quantize_x(static_cast<const mx::bfloat16_t*>(src), M, K, gs, isa, q, d, s);
+    quantize_x(static_cast<const mx::bfloat16_t*>(src), M, K, gs, bits, isa, q, d, s);
   } else {
-    quantize_x(static_cast<const mx::float16_t*>(src), M, K, gs, isa, q, d, s);
+    quantize_x(static_cast<const mx::float16_t*>(src), M, K, gs, bits, isa, q, d, s);
   }
 }
 
@@ -141,9 +142,7 @@ void run(const Call& c) {
   float* y = c.out_type == mx::float32 ? static_cast<float*>(c.out) : scratch(y_buf, y_cap, y_elems);
   QmmJob job{
       nullptr, c.w, c.scales, c.biases, c.stype, y, c.M, c.N, c.K, c.group_size, c.bits, ldx};
-  // The 8-bit head and embeddings keep float32 x: twice the weight bytes, they are
-  // memory-bound either way.
-  const bool q8 = c.bits == 4 && g_activations.load(std::memory_order_relaxed) == Activations::int8;
+  const bool q8 = g_activations.load(std::memory_order_relaxed) == Activations::int8;
   if (q8) {
     thread_local std::unique_ptr<int8_t[]> q_buf;
     thread_local size_t q_cap = 0;
@@ -154,7 +153,7 @@ void run(const Call& c) {
     // d and the group sums share x's float scratch: together they are smaller than x.
     float* d = scratch(x_buf, x_cap, size_t(c.M) * (job.ldd + job.ldg));
     float* s = d + size_t(c.M) * job.ldd;
-    quantize_any(c.x, c.x_type, c.M, c.K, c.group_size, isa, q, d, s);
+    quantize_any(c.x, c.x_type, c.M, c.K, c.group_size, c.bits, isa, q, d, s);
     job.xq = q;
     job.xd = d;
     job.xs = s;

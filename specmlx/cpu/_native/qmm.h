@@ -49,7 +49,7 @@ void set_threads(int n);
 const char* isa();
 void set_isa(const std::string& name);  // "avx512" | "avx2" | "scalar"; must be supported
 
-// What the 4-bit kernels multiply: x as float32, or x quantized to int8 per 32-block
+// What the kernels multiply: x as float32, or x quantized to int8 per 32-block
 // (kernels_q8.cpp). Read when a matmul is evaluated, like the ISA.
 enum class Activations { float32, int8 };
 const char* activations();
