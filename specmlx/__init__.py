@@ -11,6 +11,7 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING
 
+from . import mlxlm
 from .errors import SpecmlxError
 
 if TYPE_CHECKING:
@@ -20,8 +21,12 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 __all__ = ["Generation", "Model", "Session", "SpecmlxError", "Stats", "Step", "generate", "load"]
 
-# The engine imports mlx-lm, which imports transformers (1.5-2.5 s): it is loaded on
-# first use, so that `specmlx --help` and a bad flag answer at once.
+# Before anything imports mlx-lm: its models and caches then import without its package
+# __init__, which would import transformers (most of a cold start).
+mlxlm.install()
+
+# The engine imports mlx and mlx-lm's models: it is loaded on first use, so that
+# `specmlx --help` and a bad flag answer at once.
 _LAZY = {
     "Model": "loading",
     "load": "loading",

@@ -40,7 +40,6 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
     make_prompt_cache,
 )
-from mlx_lm.utils import common_prefix_len
 
 from .errors import SpecmlxError
 
@@ -259,6 +258,13 @@ def timed_pass(
     seconds = time.perf_counter() - start
     rewind(model, cache, saved, [], len(tokens))
     return seconds
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share (mlx_lm.utils has one, but importing that
+    module imports transformers)."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def align_cache(model: Model, cache: list, cached: list[int], tokens: list[int]) -> int:

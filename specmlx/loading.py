@@ -6,9 +6,11 @@ each safetensors tensor becomes an MLX array over a read-only mapping of the fil
 process on the same model, and a warm start copies nothing. Tensors that cannot be used
 in place (an offset that is not 8-byte aligned, a dtype the dtype policy converts) are
 copied and counted. Elsewhere (Metal, CUDA, no extension, SPECMLX_MMAP=0) they are
-read by mx.load, lazily: each tensor copied into MLX's memory when first used. The
-tokenizer is mlx-lm's wrapper with its streaming detokenizer, and a dtype policy picks
-the activation precision that is fast on the backend at hand.
+read by mx.load, lazily: each tensor copied into MLX's memory when first used. The model
+is mlx-lm's class for its architecture, built without importing mlx-lm's loader (or
+transformers) where specmlx.mlxlm can; the tokenizer is specmlx.tokenizer's over
+`tokenizers` where it is exactly transformers', else mlx-lm's wrapper; and a dtype
+policy picks the activation precision that is fast on the backend at hand.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
-from . import cpu
+from . import cpu, mlxlm
 from .errors import SpecmlxError
 from .safetensors import Header, read_header
 
@@ -76,7 +78,7 @@ class Model:
     """A loaded model: mlx-lm module, tokenizer wrapper, config and where it came from."""
 
     module: nn.Module
-    tokenizer: Any  # mlx_lm.tokenizer_utils.TokenizerWrapper
+    tokenizer: Any  # specmlx.tokenizer.LightTokenizer or mlx-lm's TokenizerWrapper
     config: dict
     path: Path
     vocab_size: int  # tokens the tokenizer can produce; logits beyond it are padding
@@ -165,16 +167,13 @@ def read_json_object(file: Path) -> dict:
 
 def model_classes(config: dict, config_file: Path) -> tuple[type, type]:
     """mlx-lm's model and args classes for config's model_type; SpecmlxError if it has none."""
-    from mlx_lm import __version__ as mlx_lm_version
-    from mlx_lm.utils import _get_classes
-
     try:
-        return _get_classes(config)
+        return mlxlm.model_classes(config)
     except ValueError:  # mlx-lm's "Model type X not supported."
         raise SpecmlxError(
             f"{config_file}: model_type {config['model_type']!r} is not an architecture "
-            f"mlx-lm {mlx_lm_version} knows; upgrade mlx-lm (pip install -U mlx-lm) or pick "
-            "another model"
+            f"mlx-lm {mlxlm.mlx_lm_version()} knows; upgrade mlx-lm (pip install -U mlx-lm) "
+            "or pick another model"
         ) from None
 
 
@@ -235,8 +234,6 @@ def load(
     `cpu_weights` "fp32" expands INT4 weights to float32 for a fast BLAS, "int4" keeps
     them, "auto" keeps them where the native kernel runs (specmlx.cpu.fp32).
     """
-    from mlx_lm.utils import load_model
-
     path = resolve_path(path_or_repo)
     if glob.escape(str(path)) != str(path):  # mlx-lm finds the weights with a glob pattern
         raise SpecmlxError(
@@ -266,8 +263,18 @@ def load(
         mapped += in_place
     try:
         classes = partial(model_classes, config_file=path / "config.json")
-        with weights_for_mlx_lm(by_file):
-            module, config = load_model(path, lazy=True, get_model_classes=classes)
+        config = mlxlm.load_config(path)  # as mlx-lm reads it (generation_config's EOS)
+        weights: dict[str, mx.array] = {}
+        for file in weight_files:
+            weights.update(by_file.get(str(file)) or mx.load(str(file)))
+        if mlxlm.buildable(config, weights):
+            module = mlxlm.build_model(config, weights, classes)
+        else:  # a layout mlx-lm's loader converts (AWQ, FP8, ...): it reads the files again
+            del weights
+            from mlx_lm.utils import load_model
+
+            with weights_for_mlx_lm(by_file):
+                module, config = load_model(path, lazy=True, get_model_classes=classes)
     except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
         # Raised by mlx-lm building the model from config.json's values and the weights'
         # names and shapes: what it says is about the directory's files.
@@ -289,8 +296,9 @@ def load(
     t1 = time.perf_counter()
     if tokenizer_from is not None and same_file(path, tokenizer_from.path, "tokenizer.json"):
         tokenizer = tokenizer_from.tokenizer
+        tokenizer_kind = f"{tokenizer_from.info['tokenizer']}, the target's"
     else:
-        tokenizer = read_tokenizer(path, config)
+        tokenizer, tokenizer_kind = read_tokenizer(path, config)
     t2 = time.perf_counter()
     if not lazy:
         mx.eval(module.parameters())
@@ -300,7 +308,12 @@ def load(
     vocab_size = min(len(tokenizer), logits_dim)
     # weights_s: building the model, plus the part of reading (lazy=False only) that the
     # tokenizer load did not hide.
-    info = {"weights_s": (t1 - t0) + (t3 - t2), "tokenizer_s": t2 - t1, "reading": reading}
+    info = {
+        "weights_s": (t1 - t0) + (t3 - t2),
+        "tokenizer_s": t2 - t1,
+        "reading": reading,
+        "tokenizer": tokenizer_kind,
+    }
     return Model(module, tokenizer, config, path, vocab_size, chosen, info, weights, weights_why)
 
 
@@ -402,12 +415,21 @@ def describe_reading(reading: dict) -> str:
     return f"mx.load, {copied} ({reading['why']})"
 
 
-def read_tokenizer(path: Path, config: dict) -> Any:
-    """mlx-lm's tokenizer for `path`; SpecmlxError naming the file when it cannot be read."""
-    from mlx_lm.utils import load_tokenizer
+def read_tokenizer(path: Path, config: dict) -> tuple[Any, str]:
+    """The tokenizer for `path`, and which it is: specmlx.tokenizer's over `tokenizers`
+    where that is exactly what transformers would build ("tokenizers"), else mlx-lm's
+    load_tokenizer ("transformers: why"). SpecmlxError naming the file when it cannot be
+    read."""
+    from .tokenizer import load_light
 
     try:
-        return load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+        eos = config.get("eos_token_id")
+        tokenizer, why = load_light(path, config, eos)
+        if tokenizer is not None:
+            return tokenizer, "tokenizers"
+        from mlx_lm.utils import load_tokenizer
+
+        return load_tokenizer(path, eos_token_ids=eos), f"transformers: {why}"
     except Exception as e:  # transformers, tokenizers (Rust) and json each raise their own
         # Which file is at fault is looked for only now: parsing a 10 MB tokenizer.json a
         # second time would cost every load ~0.1 s.
