@@ -145,7 +145,8 @@ def load_timed(
     """load_pair, plus where the cold start went: returns (target, draft, timings).
 
     timings (seconds): before_main_s (interpreter start and the CLI's own imports),
-    import_s (mlx, mlx-lm, transformers), weights_s, tokenizer_s (both models),
+    import_s (mlx, the engine; transformers only where a tokenizer needs it, and then
+    inside tokenizer_s), weights_s (with mlx-lm's model module), tokenizer_s (both models),
     cold_start_s (process start to both models ready).
     """
     from ..cpu import CPU_WEIGHTS
@@ -155,7 +156,7 @@ def load_timed(
         raise SpecmlxError(f"--cpu-weights must be one of {', '.join(CPU_WEIGHTS)}")
     t0 = time.perf_counter()
     before_main = time.time() - process_start()
-    from .. import engine  # noqa: F401  (mlx-lm pulls in transformers: most of a cold start)
+    from .. import engine  # noqa: F401  (mlx and the engine: most of what imports cost)
 
     import_s = time.perf_counter() - t0
     target, drafter = load_pair(model, draft, no_draft, dtype, log, cpu_weights, quiet)

@@ -66,6 +66,7 @@ def startup_lines(target, draft, timings: dict, backend: str) -> list[str]:
     else:
         lines.append("draft  none (plain decoding)")
     lines.append(f"read   {reading_line(target, draft)}")
+    lines.append(f"tokens {tokenizer_line(target, draft)}")
     if backend == "cpu":
         from ..cpu import describe
 
@@ -83,6 +84,13 @@ def reading_line(target, draft) -> str:
     return " · ".join(
         f"{role} {describe_reading(m.info['reading'])}" for role, m in models if m is not None
     )
+
+
+def tokenizer_line(target, draft) -> str:
+    """Which tokenizer each model has: specmlx's over `tokenizers`, or transformers' (and
+    why: the checkpoint is one the light tokenizer does not follow exactly)."""
+    models = [("target", target), ("draft", draft)]
+    return " · ".join(f"{role} {m.info['tokenizer']}" for role, m in models if m is not None)
 
 
 def cpu_path(target, draft) -> str:
