@@ -1,0 +1,522 @@
+// Attention over a KV cache for decode and verify shapes. MLX's CPU
+// fast.scaled_dot_product_attention spent ~1 ms a layer on 3 MFLOP at Qwen2.5-1.5B's
+// decode shape (L = 1000), 30x the time its K and V take to read. Here one pass over a KV
+// head's keys serves every query row that reads them (its GQA heads x Lq), and a second
+// pass over its values does the same. Figures: README.md.
+//
+// Row independence, bitwise: a query row's scores, exps, sum and output are computed by
+// the same operations in the same order whatever rows run with it, how many threads run
+// and how long the cache buffer is: blocks of keys start at key 0, a row stops at its own
+// last key (masked slots of a block get -inf, whose exp is exactly 0, and the value pass
+// never reads them), and the sum over lanes is a fixed tree. So a verify pass over k rows
+// gives each row the bits a one-row decode step gives it.
+#include "attention.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <memory>
+#include <stdexcept>
+#include <utility>
+
+#include "kernels.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "qmm.h"
+#include "thread_pool.h"
+#include "vexp.h"
+
+namespace specmlx {
+namespace {
+
+// Keys per score block; S rows are padded to whole blocks. Inside a block, scores are
+// summed 4 keys at a time for up to 4 query rows (the rows share each load of a key).
+constexpr int kBlock = 16;
+constexpr int kSub = 4;
+constexpr int kMaxRowGroup = 4;
+// Keys per value block: 32 rows of D <= 128 floats stay in L1 while every query row of a
+// tile reads them.
+constexpr int kValueBlock = 32;
+// Waking a worker costs ~20 us: split only when each thread gets this many multiply-adds.
+constexpr size_t kMinWorkPerThread = size_t(1) << 20;
+
+struct Call {
+  const float* q;  // (B, Hq, Lq, D), row-contiguous
+  const float* k;  // strides below, in floats; the D axis is contiguous
+  const float* v;
+  float* out;  // (B, Hq, Lq, D)
+  int B, Hq, Hkv, Lq, Lk, D;
+  int64_t ksb, ksh, ksl, vsb, vsh, vsl;
+  float scale;
+  bool causal;
+};
+
+// ---- AVX-512 ----
+
+// Lane i of the result: the sum of a[i]'s 16 lanes, by a fixed tree of unpacks, shuffles
+// and adds (45 instructions for 16 dot products, against ~8 for one horizontal sum). Every
+// lane gets the same tree, ((e0 + e2) + (e1 + e3)) within each 128-bit quarter and then
+// (Q0 + Q2) + (Q1 + Q3), so a dot product's bits do not depend on the lane it lands in.
+SPECMLX_AVX512 inline __m512 sum_lanes16(const __m512* a) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: sums 4i .. 4i+3, a quarter of each
+    u[i] = _mm512_add_ps(
+        _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+  }
+  const __m512 w01 = _mm512_add_ps(
+      _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 w23 = _mm512_add_ps(
+      _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(
+      _mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// s[r][j] = q[r] . k_j for 4 rows and the 16 keys k_j = k + j * ldk: 4 keys at a time, 16
+// accumulators (row-major), so each load of a key chunk feeds 4 FMAs.
+SPECMLX_AVX512 void scores_avx512(const float* const* q, const float* k, int64_t ldk, int D, float* const* s) {
+  const float *q0 = q[0], *q1 = q[1], *q2 = q[2], *q3 = q[3];
+  for (int j0 = 0; j0 < kBlock; j0 += kSub) {
+    const float* k0 = k + j0 * ldk;
+    const float *k1 = k0 + ldk, *k2 = k1 + ldk, *k3 = k2 + ldk;
+    __m512 a[16];
+    for (__m512& x : a) {
+      x = _mm512_setzero_ps();
+    }
+    for (int c = 0; c < D; c += 16) {
+      const __m512 x[4] = {
+          _mm512_loadu_ps(k0 + c), _mm512_loadu_ps(k1 + c), _mm512_loadu_ps(k2 + c), _mm512_loadu_ps(k3 + c)};
+      const __m512 y[4] = {
+          _mm512_loadu_ps(q0 + c), _mm512_loadu_ps(q1 + c), _mm512_loadu_ps(q2 + c), _mm512_loadu_ps(q3 + c)};
+      for (int r = 0; r < 4; ++r) {
+        for (int j = 0; j < 4; ++j) {
+          a[4 * r + j] = _mm512_fmadd_ps(y[r], x[j], a[4 * r + j]);
+        }
+      }
+    }
+    alignas(64) float out[16];
+    _mm512_store_ps(out, sum_lanes16(a));
+    for (int r = 0; r < 4; ++r) {
+      std::copy(out + 4 * r, out + 4 * r + 4, s[r] + j0);
+    }
+  }
+}
+
+// s (n floats, a multiple of 16) := exp(s - max s); returns the sum.
+SPECMLX_AVX512 float exp_row_avx512(float* s, int n) {
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  for (int i = 0; i < n; i += 16) {
+    m = _mm512_max_ps(m, _mm512_loadu_ps(s + i));
+  }
+  const __m512 top = _mm512_set1_ps(lanes_max(m));
+  __m512 sum = _mm512_setzero_ps();
+  for (int i = 0; i < n; i += 16) {
+    const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(s + i), top));
+    _mm512_storeu_ps(s + i, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return lanes_sum(sum);
+}
+
+// acc[0, 16 NC) += sum over j < count of p[j] * v_j[0, 16 NC), v_j = v + j * ldv, in j
+// order per lane. NC is a constant so that the accumulators live in registers.
+template <int NC>
+SPECMLX_AVX512 void values_chunks_avx512(const float* p, int count, const float* v, int64_t ldv, float* acc) {
+  __m512 a[NC];
+  for (int c = 0; c < NC; ++c) {
+    a[c] = _mm512_loadu_ps(acc + 16 * c);
+  }
+  for (int j = 0; j < count; ++j) {
+    const __m512 pj = _mm512_set1_ps(p[j]);
+    const float* vj = v + j * ldv;
+    for (int c = 0; c < NC; ++c) {
+      a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + 16 * c), a[c]);
+    }
+  }
+  for (int c = 0; c < NC; ++c) {
+    _mm512_storeu_ps(acc + 16 * c, a[c]);
+  }
+}
+
+template <size_t... I>
+constexpr auto values_table_avx512(std::index_sequence<I...>) {
+  return std::array{&values_chunks_avx512<int(I) + 1>...};
+}
+
+// acc += sum over j < count of p[j] * v_j, up to 256 floats of D at a time.
+SPECMLX_AVX512 void values_avx512(const float* p, int count, const float* v, int64_t ldv, int D, float* acc) {
+  static constexpr auto table = values_table_avx512(std::make_index_sequence<16>{});
+  for (int c0 = 0; c0 < D; c0 += 256) {
+    table[std::min(16, (D - c0) / 16) - 1](p, count, v + c0, ldv, acc + c0);
+  }
+}
+
+// ---- AVX2 + FMA ----
+
+// Lane i: the sum of a[i]'s 8 lanes, by the AVX-512 tree on 256 bits (the same for every
+// lane: ((e0 + e2) + (e1 + e3)) per half, then the halves).
+SPECMLX_AVX2 inline __m256 sum_lanes8(const __m256* a) {
+  __m256 t[4];
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm256_add_ps(_mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm256_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  }
+  const __m256 u0 = _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], 0x44), _mm256_shuffle_ps(t[0], t[1], 0xEE));
+  const __m256 u1 = _mm256_add_ps(_mm256_shuffle_ps(t[2], t[3], 0x44), _mm256_shuffle_ps(t[2], t[3], 0xEE));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// s[r][j] = q[r] . k_j for 2 rows and 16 keys, 4 keys at a time (8 accumulators).
+SPECMLX_AVX2 void scores_avx2(const float* const* q, const float* k, int64_t ldk, int D, float* const* s) {
+  const float *q0 = q[0], *q1 = q[1];
+  for (int j0 = 0; j0 < kBlock; j0 += kSub) {
+    const float* k0 = k + j0 * ldk;
+    const float *k1 = k0 + ldk, *k2 = k1 + ldk, *k3 = k2 + ldk;
+    __m256 a[8];
+    for (__m256& x : a) {
+      x = _mm256_setzero_ps();
+    }
+    for (int c = 0; c < D; c += 8) {
+      const __m256 x[4] = {
+          _mm256_loadu_ps(k0 + c), _mm256_loadu_ps(k1 + c), _mm256_loadu_ps(k2 + c), _mm256_loadu_ps(k3 + c)};
+      const __m256 y0 = _mm256_loadu_ps(q0 + c), y1 = _mm256_loadu_ps(q1 + c);
+      for (int j = 0; j < 4; ++j) {
+        a[j] = _mm256_fmadd_ps(y0, x[j], a[j]);
+        a[4 + j] = _mm256_fmadd_ps(y1, x[j], a[4 + j]);
+      }
+    }
+    alignas(32) float out[8];
+    _mm256_store_ps(out, sum_lanes8(a));
+    std::copy(out, out + 4, s[0] + j0);
+    std::copy(out + 4, out + 8, s[1] + j0);
+  }
+}
+
+SPECMLX_AVX2 float exp_row_avx2(float* s, int n) {
+  __m256 m = _mm256_set1_ps(-INFINITY);
+  for (int i = 0; i < n; i += 8) {
+    m = _mm256_max_ps(m, _mm256_loadu_ps(s + i));
+  }
+  const __m256 top = _mm256_set1_ps(lanes_max(m));
+  __m256 sum = _mm256_setzero_ps();
+  for (int i = 0; i < n; i += 8) {
+    const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + i), top));
+    _mm256_storeu_ps(s + i, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  return lanes_sum(sum);
+}
+
+template <int NC>
+SPECMLX_AVX2 void values_chunks_avx2(const float* p, int count, const float* v, int64_t ldv, float* acc) {
+  __m256 a[NC];
+  for (int c = 0; c < NC; ++c) {
+    a[c] = _mm256_loadu_ps(acc + 8 * c);
+  }
+  for (int j = 0; j < count; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    const float* vj = v + j * ldv;
+    for (int c = 0; c < NC; ++c) {
+      a[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), a[c]);
+    }
+  }
+  for (int c = 0; c < NC; ++c) {
+    _mm256_storeu_ps(acc + 8 * c, a[c]);
+  }
+}
+
+template <size_t... I>
+constexpr auto values_table_avx2(std::index_sequence<I...>) {
+  return std::array{&values_chunks_avx2<int(I) + 1>...};
+}
+
+// Up to 96 floats of D at a time (12 accumulators of the 16 ymm registers).
+SPECMLX_AVX2 void values_avx2(const float* p, int count, const float* v, int64_t ldv, int D, float* acc) {
+  static constexpr auto table = values_table_avx2(std::make_index_sequence<12>{});
+  for (int c0 = 0; c0 < D; c0 += 96) {
+    table[std::min(12, (D - c0) / 8) - 1](p, count, v + c0, ldv, acc + c0);
+  }
+}
+
+// ---- scalar ----
+
+void scores_scalar(const float* const* q, const float* k, int64_t ldk, int D, float* const* s) {
+  for (int j = 0; j < kBlock; ++j) {
+    float dot = 0.0f;
+    for (int d = 0; d < D; ++d) {
+      dot += q[0][d] * k[j * ldk + d];
+    }
+    s[0][j] = dot;
+  }
+}
+
+float exp_row_scalar(float* s, int n) {
+  const float top = *std::max_element(s, s + n);
+  double sum = 0.0;
+  for (int i = 0; i < n; ++i) {
+    s[i] = std::exp(s[i] - top);
+    sum += s[i];
+  }
+  return float(sum);
+}
+
+void values_scalar(const float* p, int count, const float* v, int64_t ldv, int D, float* acc) {
+  for (int j = 0; j < count; ++j) {
+    for (int d = 0; d < D; ++d) {
+      acc[d] += p[j] * v[j * ldv + d];
+    }
+  }
+}
+
+struct Kernels {
+  int rows;  // query rows per scores call
+  void (*scores)(const float* const*, const float*, int64_t, int, float* const*);
+  float (*exp_row)(float*, int);
+  void (*values)(const float*, int, const float*, int64_t, int, float*);
+};
+
+Kernels kernels_for(Isa isa) {
+  switch (isa) {
+    case Isa::avx512:
+      return {4, scores_avx512, exp_row_avx512, values_avx512};
+    case Isa::avx2:
+      return {2, scores_avx2, exp_row_avx2, values_avx2};
+    case Isa::scalar:
+      break;
+  }
+  return {1, scores_scalar, exp_row_scalar, values_scalar};
+}
+
+// Scratch on each pool thread that only grows.
+float* scratch(std::unique_ptr<float[]>& buf, size_t& cap, size_t n) {
+  if (n > cap) {
+    buf.reset(new float[n]);
+    cap = n;
+  }
+  return buf.get();
+}
+
+// Rows [r0, r1) of one tile: the query rows that read KV head `kvh` of batch `b`, ordered
+// (GQA head, query position). Three passes over the tile's rows: scores block by block
+// (each block of keys read from memory once for all rows), exp and sum per row, then values
+// block by block.
+void attend(const Kernels& kern, const Call& c, int tile, int r0, int r1) {
+  thread_local std::unique_ptr<float[]> buf;
+  thread_local size_t cap = 0;
+  const int b = tile / c.Hkv, kvh = tile % c.Hkv, group = c.Hq / c.Hkv, D = c.D;
+  const int rows = r1 - r0;
+  const int lds = (c.Lk + kBlock - 1) / kBlock * kBlock;
+  float* qs = scratch(buf, cap, size_t(rows) * (2 * D + lds + 1) + kBlock * D);
+  float* acc = qs + size_t(rows) * D;
+  float* s = acc + size_t(rows) * D;
+  float* inv = s + size_t(rows) * lds;  // 1 / sum of exps, per row
+  float* kpad = inv + rows;
+  const float* kb = c.k + b * c.ksb + kvh * c.ksh;
+  const float* vb = c.v + b * c.vsb + kvh * c.vsh;
+
+  auto row_index = [&](int r) {  // (b, head, i) of the tile's row r, as a row of q and out
+    const int head = kvh * group + r / c.Lq, i = r % c.Lq;
+    return (size_t(b) * c.Hq + head) * c.Lq + i;
+  };
+  auto keys_of = [&](int r) { return c.causal ? c.Lk - c.Lq + r % c.Lq + 1 : c.Lk; };
+  int most = 0;
+  for (int r = r0; r < r1; ++r) {
+    const float* q = c.q + row_index(r) * D;
+    float* qr = qs + size_t(r - r0) * D;
+    for (int d = 0; d < D; ++d) {
+      qr[d] = q[d] * c.scale;
+    }
+    std::fill(acc + size_t(r - r0) * D, acc + size_t(r - r0 + 1) * D, 0.0f);
+    most = std::max(most, keys_of(r));
+  }
+
+  for (int j0 = 0; j0 < most; j0 += kBlock) {
+    const float* kj = kb + j0 * c.ksl;
+    int64_t ldk = c.ksl;
+    if (j0 + kBlock > c.Lk) {  // the cache's last keys, padded with zeros to a block
+      std::fill(kpad, kpad + kBlock * D, 0.0f);
+      for (int j = j0; j < c.Lk; ++j) {
+        std::copy(kb + j * c.ksl, kb + j * c.ksl + D, kpad + (j - j0) * D);
+      }
+      kj = kpad;
+      ldk = D;
+    }
+    for (int g = r0; g < r1; g += kern.rows) {
+      const float* qp[kMaxRowGroup];
+      float* sp[kMaxRowGroup];
+      bool needed = false;
+      for (int i = 0; i < kern.rows; ++i) {
+        // A short last group repeats its last row: the same bits to the same place.
+        const int r = std::min(g + i, r1 - 1);
+        qp[i] = qs + size_t(r - r0) * D;
+        sp[i] = s + size_t(r - r0) * lds + j0;
+        needed |= j0 < keys_of(r);
+      }
+      if (needed) {
+        kern.scores(qp, kj, ldk, D, sp);
+      }
+    }
+    for (int r = r0; r < r1; ++r) {  // a row's keys past its own last one weigh nothing
+      float* sr = s + size_t(r - r0) * lds + j0;
+      for (int j = std::clamp(keys_of(r) - j0, 0, kBlock); j < kBlock; ++j) {
+        sr[j] = -INFINITY;
+      }
+    }
+  }
+
+  for (int r = r0; r < r1; ++r) {
+    const int padded = (keys_of(r) + kBlock - 1) / kBlock * kBlock;
+    inv[r - r0] = 1.0f / kern.exp_row(s + size_t(r - r0) * lds, padded);
+  }
+
+  for (int j0 = 0; j0 < most; j0 += kValueBlock) {
+    for (int r = r0; r < r1; ++r) {
+      const int count = std::min(keys_of(r), j0 + kValueBlock) - j0;
+      if (count > 0) {
+        kern.values(s + size_t(r - r0) * lds + j0, count, vb + j0 * c.vsl, c.vsl, D, acc + size_t(r - r0) * D);
+      }
+    }
+  }
+
+  for (int r = r0; r < r1; ++r) {
+    const float* a = acc + size_t(r - r0) * D;
+    float* o = c.out + row_index(r) * D;
+    for (int d = 0; d < D; ++d) {
+      o[d] = a[d] * inv[r - r0];
+    }
+  }
+}
+
+void run(const Call& c) {
+  const Kernels kern = kernels_for(active_isa());
+  auto& pool = ThreadPool::instance();
+  const int tiles = c.B * c.Hkv, rows = c.Hq / c.Hkv * c.Lq;
+  const size_t work = size_t(c.B) * c.Hq * c.Lq * c.Lk * c.D * 2;
+  const int n_threads = int(std::clamp<size_t>(work / kMinWorkPerThread, 1, pool.size()));
+  // With fewer tiles than threads, a tile's rows are split: every row still computes the
+  // same bits, whichever part it falls in.
+  const int parts = std::min(rows, (n_threads + tiles - 1) / tiles);
+  const int items = tiles * parts;
+  const int used = std::min(n_threads, items);
+  pool.run(used, [&](int t) {
+    for (int item = int(int64_t(items) * t / used); item < int(int64_t(items) * (t + 1) / used); ++item) {
+      const int tile = item / parts, part = item % parts;
+      attend(kern, c, tile, rows * part / parts, rows * (part + 1) / parts);
+    }
+  });
+}
+
+// A copy of x (B, H, L, D) with a contiguous D axis, for the rare view without one.
+const float* gather(const mx::array& x, std::unique_ptr<float[]>& buf, size_t& cap) {
+  float* dst = scratch(buf, cap, x.size());
+  const float* src = x.data<float>();
+  const auto& st = x.strides();
+  size_t i = 0;
+  for (int a = 0; a < x.shape(0); ++a) {
+    for (int h = 0; h < x.shape(1); ++h) {
+      for (int l = 0; l < x.shape(2); ++l) {
+        for (int d = 0; d < x.shape(3); ++d) {
+          dst[i++] = src[a * st[0] + h * st[1] + l * st[2] + d * st[3]];
+        }
+      }
+    }
+  }
+  return dst;
+}
+
+} // namespace
+
+void Attention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const auto &q = inputs[0], &k = inputs[1], &v = inputs[2];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(q);
+  encoder.set_input_array(k);
+  encoder.set_input_array(v);
+  encoder.set_output_array(out);
+  if (out.size() == 0) {
+    return;
+  }
+  Call call{
+      q.data<float>(),
+      k.data<float>(),
+      v.data<float>(),
+      out.data<float>(),
+      q.shape(0),
+      q.shape(1),
+      k.shape(1),
+      q.shape(2),
+      k.shape(2),
+      q.shape(3),
+      k.strides()[0],
+      k.strides()[1],
+      k.strides()[2],
+      v.strides()[0],
+      v.strides()[1],
+      v.strides()[2],
+      scale_,
+      causal_};
+  // q is row-contiguous (the op made it so); k and v are read in place through their
+  // strides unless their D axis is not contiguous. MLX keeps the buffers alive until the
+  // stream has run this task.
+  const bool k_dense = k.strides()[3] == 1 || k.shape(3) == 1;
+  const bool v_dense = v.strides()[3] == 1 || v.shape(3) == 1;
+  encoder.dispatch([call, k, v, k_dense, v_dense]() mutable {
+    thread_local std::unique_ptr<float[]> kbuf, vbuf;
+    thread_local size_t kcap = 0, vcap = 0;
+    const int64_t L = call.Lk, D = call.D, H = call.Hkv;
+    if (!k_dense) {
+      call.k = gather(k, kbuf, kcap);
+      call.ksb = H * L * D, call.ksh = L * D, call.ksl = D;
+    }
+    if (!v_dense) {
+      call.v = gather(v, vbuf, vcap);
+      call.vsb = H * L * D, call.vsh = L * D, call.vsl = D;
+    }
+    run(call);
+  });
+}
+
+void Attention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("[specmlx] the native attention has no GPU kernel");
+}
+
+bool Attention::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const Attention&>(other);
+  return scale_ == o.scale_ && causal_ == o.causal_;
+}
+
+mx::array scaled_dot_product_attention(
+    const mx::array& q,
+    const mx::array& k,
+    const mx::array& v,
+    float scale,
+    bool causal,
+    mx::StreamOrDevice s) {
+  const auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu) {
+    throw std::invalid_argument("[specmlx] attention runs on CPU streams only");
+  }
+  if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32) {
+    throw std::invalid_argument("[specmlx] attention takes float32 q, k and v");
+  }
+  if (q.ndim() != 4 || k.ndim() != 4 || k.shape() != v.shape()) {
+    throw std::invalid_argument("[specmlx] attention takes q (B, Hq, Lq, D) and k, v (B, Hkv, Lk, D)");
+  }
+  const int D = q.shape(3);
+  if (k.shape(0) != q.shape(0) || k.shape(3) != D || k.shape(1) == 0 || q.shape(1) % k.shape(1) != 0) {
+    throw std::invalid_argument("[specmlx] attention: k and v must match q's batch and D, Hq a multiple of Hkv");
+  }
+  if (D % kHeadDimStep != 0 || D <= 0 || D > kMaxHeadDim) {
+    throw std::invalid_argument("[specmlx] attention takes head sizes that are multiples of 16 up to 512");
+  }
+  if (k.shape(2) == 0 || (causal && q.shape(2) > k.shape(2))) {
+    throw std::invalid_argument("[specmlx] attention needs at least one key for every query row");
+  }
+  return mx::array(
+      q.shape(), mx::float32, std::make_shared<Attention>(stream, scale, causal), {mx::contiguous(q, false, stream), k, v});
+}
+
+} // namespace specmlx
