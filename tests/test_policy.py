@@ -4,6 +4,7 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -194,6 +195,35 @@ def test_prompt_lookup_needs_no_probe_per_call():
     s = warmed(lambda k: k, draft_ratio=0.0, alpha=0.95, free=True)
     s.start_call()
     assert s.choose().gamma == 0
+
+
+def auto_with_both(lookup_alpha):
+    """AutoGamma with the draft model (sure text, this CPU's costs) and prompt lookup, whose
+    guesses pass with lookup_alpha; the context has a one-token match."""
+    from specmlx.drafters import CostProbe, LookupDrafter
+    from specmlx.policy import AutoGamma
+
+    costs = measured(THIS_CPU["curve"], THIS_CPU["draft_ratio"])
+    model = Scheduler(costs, 8)
+    lookup = Scheduler(costs, 8, free_drafts=True)
+    draft_model = SimpleNamespace(name="model")  # plan only hands it on
+    drafters = (draft_model, LookupDrafter(16, False), CostProbe(16, False))
+    auto = AutoGamma({"model": model, "lookup": lookup}, *drafters, 16, sampled=False)
+    model.opening = False
+    model.acceptance = Acceptance(0.95 * 40, 40.0, seen=True)
+    lookup.acceptance = Acceptance(lookup_alpha * 40, 40.0, seen=True)
+    auto.lookup.start([5, 1, 2, 3, 4, 5])  # "5" was followed by "1"
+    return auto
+
+
+def test_where_lookups_guesses_seldom_pass_the_draft_model_drafts_instead():
+    plan = auto_with_both(lookup_alpha=0.02).plan(remaining=64)
+    assert plan.gamma > 0 and plan.drafter is not None and plan.drafter.name == "model"
+
+
+def test_where_lookups_guesses_pass_lookup_drafts():
+    plan = auto_with_both(lookup_alpha=0.95).plan(remaining=64)
+    assert plan.gamma > 0 and plan.drafter.name == "lookup"
 
 
 def test_once_drafting_accepted_drafts_go_on_and_rejected_ones_stop():

@@ -41,15 +41,21 @@ class AutoGamma:
     def plan(self, remaining: int) -> Plan:
         longest = max(s.max_gamma for s in self.schedulers.values())
         found = self.lookup.find(longest) if self.lookup is not None else []
+        choice = None
         if self.lookup is not None and (self.model is None or found):
             source, drafter = "lookup", self.lookup
-        elif self.model is not None:
+            choice = self.schedulers[source].choose(remaining)
+            if self.model is not None and (choice.gamma == 0 or choice.cost_probe):
+                # Lookup declines (a match whose guesses seldom pass: a one-token match is
+                # found in almost any long text): the draft model may still pay here.
+                choice = None
+        if choice is None and self.model is not None:
             source, drafter = "model", self.model
-        else:
+            choice = self.schedulers[source].choose(remaining)
+        if choice is None:
             self.scheduler = None
             return Plan(None, 0)
         self.scheduler = scheduler = self.schedulers[source]
-        choice = scheduler.choose(remaining)
         if choice.cost_probe:
             if self.model is not None and not scheduler.free_drafts:
                 # Re-time the draft too: a figure taken in a burst of load must not keep
