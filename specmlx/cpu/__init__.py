@@ -2,6 +2,8 @@
 
     native.py   the C++ extension's ops (INT4/INT8 matmul, row softmax), their fallbacks
                 to MLX, and `patch_model`, which routes quantized layers through them
+    attention.py  mlx-lm's attention function, replaced in a model's modules by the
+                extension's attention op where it applies (SPECMLX_ATTENTION)
     fp32.py     the fp32 weights mode: INT4 expanded to float32 at load, and the auto choice
     blas.py     finding a fast BLAS and putting it under MLX before mlx is loaded
 
@@ -51,7 +53,8 @@ def prepare(
 ) -> tuple[str, str]:
     """Make a freshly built model (floating parameters already cast) ready for the CPU:
     choose its weights mode, expand INT4 to float32 in the fp32 mode, and with
-    `use_native` route the layers left quantized through the native kernel. `stored`: the
+    `use_native` route the layers left quantized through the native kernel, and attention
+    through the native op (specmlx.cpu.attention). `stored`: the
     parameters before the cast (by path); the kernel's layers get their fp16/bf16 scales,
     biases and bias back from it, used in place (see native.keep_stored_halves).
 
@@ -62,7 +65,7 @@ def prepare(
         raise SpecmlxError(
             f"unknown CPU weights mode {cpu_weights!r}; use one of {', '.join(CPU_WEIGHTS)}"
         )
-    from . import fp32, native
+    from . import attention, fp32, native
 
     mode, why = fp32.pick_cpu_weights(module, cpu_weights, backend, use_native)
     if mode == "fp32":
@@ -73,4 +76,6 @@ def prepare(
         native.keep_exact(module, getattr(module, "model_type", type(module).__name__))
         if stored:
             native.keep_stored_halves(module, stored)
+    if use_native:
+        attention.patch_model(module)
     return mode, why
