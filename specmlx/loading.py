@@ -230,7 +230,8 @@ def load(
     specmlx.cpu.native; everything else, and the GPU, keeps mx.quantized_matmul).
     `tokenizer_from`: a loaded model whose tokenizer is reused when this one ships a
     byte-identical tokenizer.json (a draft of the same family); loading a 150k-token
-    tokenizer takes 1-2 s, and a draft's tokenizer only serves its vocabulary.
+    tokenizer takes a quarter of a second (more through transformers), and a draft's
+    tokenizer only serves its vocabulary.
     `cpu_weights` "fp32" expands INT4 weights to float32 for a fast BLAS, "int4" keeps
     them, "auto" keeps them where the native kernel runs (specmlx.cpu.fp32).
     """
@@ -418,13 +419,16 @@ def describe_reading(reading: dict) -> str:
 def read_tokenizer(path: Path, config: dict) -> tuple[Any, str]:
     """The tokenizer for `path`, and which it is: specmlx.tokenizer's over `tokenizers`
     where that is exactly what transformers would build ("tokenizers"), else mlx-lm's
-    load_tokenizer ("transformers: why"). SpecmlxError naming the file when it cannot be
-    read."""
+    load_tokenizer ("transformers: why"; SPECMLX_TOKENIZER=transformers asks for it).
+    SpecmlxError naming the file when it cannot be read."""
     from .tokenizer import load_light
 
     try:
         eos = config.get("eos_token_id")
-        tokenizer, why = load_light(path, config, eos)
+        if os.environ.get("SPECMLX_TOKENIZER") == "transformers":  # to compare, or work around
+            tokenizer, why = None, "SPECMLX_TOKENIZER=transformers"
+        else:
+            tokenizer, why = load_light(path, config, eos)
         if tokenizer is not None:
             return tokenizer, "tokenizers"
         from mlx_lm.utils import load_tokenizer

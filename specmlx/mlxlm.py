@@ -20,6 +20,7 @@ import json
 import math
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -54,16 +55,22 @@ def install() -> None:
     if spec is None or spec.loader is None:
         return  # not installed: the ImportError comes where it is first needed
     module = importlib.util.module_from_spec(spec)
+    lock = threading.RLock()  # other threads wait for the one running the __init__
+    running = []
 
     def __getattr__(name: str) -> Any:
         # The first name looked up on the package itself: run the real __init__ now, in
         # this module (its submodules already imported stay as they are).
-        del module.__getattr__
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            module.__getattr__ = __getattr__
-            raise
+        with lock:
+            if running:  # the __init__ itself, looking up a name it has not set yet
+                raise AttributeError(f"module 'mlx_lm' has no attribute {name!r}")
+            if module.__dict__.get("__getattr__") is __getattr__:
+                running.append(True)
+                try:
+                    spec.loader.exec_module(module)
+                    del module.__getattr__  # from now on, the package as mlx-lm made it
+                finally:
+                    running.clear()
         return getattr(module, name)
 
     module.__getattr__ = __getattr__

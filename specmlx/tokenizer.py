@@ -204,6 +204,13 @@ def pipeline_refusal(tokenizer: Tokenizer, config: dict, picked: str) -> str:
         }
         if in_file != in_config:
             return "tokenizer.json's added tokens differ from tokenizer_config.json's"
+        # ...added in id order: each takes its vocabulary id, or else the next free one.
+        next_id = tokenizer.get_vocab_size(with_added_tokens=False)
+        for i, state in sorted(in_config.items()):
+            in_vocab = tokenizer.model.token_to_id(state["content"])
+            if i != (next_id if in_vocab is None else in_vocab):
+                return "tokenizer_config.json's added tokens are not where Qwen2Tokenizer puts them"
+            next_id += in_vocab is None
     if not _local_decoder(_state_of(tokenizer.decoder)):
         return "a decoder the streaming detokenizer does not follow"
     if config.get("clean_up_tokenization_spaces") and (

@@ -66,7 +66,7 @@ def startup_lines(target, draft, timings: dict, backend: str) -> list[str]:
     else:
         lines.append("draft  none (plain decoding)")
     lines.append(f"read   {reading_line(target, draft)}")
-    lines.append(f"tokens {tokenizer_line(target, draft)}")
+    lines.append(f"tok    {tokenizer_line(target, draft)}")
     if backend == "cpu":
         from ..cpu import describe
 
