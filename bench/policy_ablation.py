@@ -59,7 +59,7 @@ def _off_opening(s: Scheduler) -> None:
 
 def _off_catch_up(s: Scheduler) -> None:
     pays = s.pays
-    s.pays = lambda plain, best, need, remaining: pays(plain, best, need, None)
+    s.pays = lambda plain, best, need, remaining, behind: pays(plain, best, need, None, behind)
 
 
 def _off_cost_probes(s: Scheduler) -> None:

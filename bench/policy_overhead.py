@@ -34,7 +34,9 @@ def main() -> None:
     choose, top_probability = Scheduler.choose, auto.top_probability
 
     def run(mode: str) -> float:
-        Scheduler.choose = choose if mode == "alone" else lambda self, remaining=None: Choice(0)
+        Scheduler.choose = (
+            choose if mode == "alone" else lambda self, remaining=None, behind=None: Choice(0)
+        )
         auto.top_probability = top_probability if "no confidence" not in mode else lambda *a: 0.5
         draft_model = None if mode == "alone" else draft
         gen = specmlx.generate(target, prompt, draft_model, max_tokens=48).run()

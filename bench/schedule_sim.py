@@ -158,6 +158,10 @@ class SimDraft:
     def start(self, context: list[int]) -> None:
         pass  # the prompt is fed as prefill: not decode time
 
+    @property
+    def behind(self) -> int:
+        return self.missed
+
     def propose(self, g: int, key, draw, go_on=None) -> Proposal:
         made = 0
         while made < g:

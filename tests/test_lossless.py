@@ -103,7 +103,7 @@ def test_rounds_the_drafts_confidence_ends_early_keep_the_target_distribution(no
             stops.append(tops[-1] < 0.18)
         return len(tops) < 2 or tops[-1] >= 0.18
 
-    monkeypatch.setattr(Scheduler, "choose", lambda s, remaining=None: Choice(3))
+    monkeypatch.setattr(Scheduler, "choose", lambda s, remaining=None, behind=None: Choice(3))
     monkeypatch.setattr(Scheduler, "keep_drafting", keep_drafting)
     target, settings = no_eos["target"], SETTINGS["T=1.0"]
     counts = sampled_pairs(target, no_eos["perturbed"], settings, gamma="auto", max_tokens=4)

@@ -206,7 +206,7 @@ def auto_with_both(lookup_alpha):
     costs = measured(THIS_CPU["curve"], THIS_CPU["draft_ratio"])
     model = Scheduler(costs, 8)
     lookup = Scheduler(costs, 8, free_drafts=True)
-    draft_model = SimpleNamespace(name="model")  # plan only hands it on
+    draft_model = SimpleNamespace(name="model", behind=0)  # plan only hands it on
     drafters = (draft_model, LookupDrafter(16, False), CostProbe(16, False))
     auto = AutoGamma({"model": model, "lookup": lookup}, *drafters, 16, sampled=False)
     model.opening = False

@@ -46,6 +46,12 @@ class ModelDrafter:
         self.pending = context[keep:]
         self.prompt_left = len(self.pending) - 1
 
+    @property
+    def behind(self) -> int:
+        """Tokens of the text its next pass must take besides the one it drafts from (what
+        it missed while it sat out or prompt lookup drafted); the prompt is prefill."""
+        return max(0, len(self.pending) - 1 - self.prompt_left)
+
     def propose(self, g: int, key: mx.array, draw: Draw, go_on: GoOn | None = None) -> Proposal:
         """g tokens and their q, lazily (nothing is synced unless `go_on` is given: it is
         shown each draft as it is made, the last one too, and syncs every pass)."""

@@ -51,7 +51,7 @@ class AutoGamma:
                 choice = None
         if choice is None and self.model is not None:
             source, drafter = "model", self.model
-            choice = self.schedulers[source].choose(remaining)
+            choice = self.schedulers[source].choose(remaining, self.model.behind)
         if choice is None:
             self.scheduler = None
             return Plan(None, 0)

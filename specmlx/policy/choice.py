@@ -126,8 +126,10 @@ class Scheduler:
     def tps(self, rate: float) -> float:
         return rate / self.costs.t1 if self.costs.t1 else 0.0
 
-    def choose(self, remaining: int | None = None) -> Choice:
-        """γ for the next round; `remaining`: the most tokens the call may still emit."""
+    def choose(self, remaining: int | None = None, behind: int | None = None) -> Choice:
+        """γ for the next round; `remaining`: the most tokens the call may still emit;
+        `behind`: the tokens the draft model must take before it drafts (what it missed),
+        where the engine knows them; else the plain rounds since it last drafted."""
         if not self.costs.settled:
             return Choice(0)  # plain steps measure T(1) and still emit tokens
         if self.opening:
@@ -150,7 +152,8 @@ class Scheduler:
         need = 1 / MARGIN if self.drafting > 0 else MARGIN
         # This text's α, not only a guess: drafts seen, or the target's confidence in it.
         known = self.free_drafts or self.acceptance.seen
-        if known and self.pays(rates[0], rates[best], need, remaining):
+        missed = self.rounds_since_probe if behind is None else behind
+        if known and self.pays(rates[0], rates[best], need, remaining, missed):
             self.rounds_since_probe = 0
             self.costs.cost_backoff = FIRST_BACKOFF
             return Choice(best, predicted_tps=self.tps(rates[best]))
@@ -171,21 +174,24 @@ class Scheduler:
             return Choice(min(COST_PROBE, self.max_gamma), cost_probe=True)
         # This text's α may be higher than estimated: look once the plain rounds since the
         # last look (or since the call began) can afford the look's forecast loss.
-        backlog = self.rounds_since_probe
-        g = self.probe_length(first)
-        if self.probe_loss(g, backlog) > EXPLORE * backlog:
+        waited = self.rounds_since_probe
+        missed = waited if behind is None else behind
+        g = self.probe_length(first, missed)
+        if self.probe_loss(g, missed) > EXPLORE * waited:
             return plain
         self.rounds_since_probe = 0
         return Choice(g, predicted_tps=self.tps(rates[0]))
 
-    def pays(self, plain: float, best: float, need: float, remaining: int | None) -> bool:
+    def pays(
+        self, plain: float, best: float, need: float, remaining: int | None, behind: int
+    ) -> bool:
         """Whether drafting beats plain decoding by `need` over the rest of the call. A
         draft model that sat out first catches up on what it missed: on this CPU's INT4
         kernel a pass over 20 tokens costs 3 target steps, more than drafting the rest of
         a 48-token reply can win back (auto 0.89x on code at T = 1, seen)."""
         if best < need * plain:  # the margin is for the forecast's noise
             return False
-        catch_up = self.catch_up(self.rounds_since_probe)  # a known cost: no margin
+        catch_up = self.catch_up(behind)  # a known cost: no margin
         return remaining is None or remaining / best + catch_up <= remaining / plain
 
     def catch_up(self, backlog: int) -> float:
@@ -199,12 +205,13 @@ class Scheduler:
         rates = (self.rate(g, perfect=True) or 0.0 for g in range(1, self.max_gamma + 1))
         return max(rates) < plain_rate
 
-    def probe_length(self, longest: int) -> int:
+    def probe_length(self, longest: int, behind: int | None = None) -> int:
         """The draft length that learns α most cheaply: where some length is expected to
         pay, the one that pays best; else the least loss per draft the target judges (a
         rejection ends the judging, so at low α a long probe costs more and tells little
         more: on this CPU's INT4 kernel one draft, on a flat cost curve three)."""
-        loss = {g: self.probe_loss(g, self.rounds_since_probe) for g in range(1, longest + 1)}
+        behind = self.rounds_since_probe if behind is None else behind
+        loss = {g: self.probe_loss(g, behind) for g in range(1, longest + 1)}
         paying = [g for g, lost in loss.items() if lost <= 0]
         if paying:
             return max(paying, key=lambda g: self.rate(g) or 0.0)
@@ -213,7 +220,7 @@ class Scheduler:
 
     def probe_loss(self, g: int, backlog: int) -> float:
         """The time a round of g drafts is expected to lose against plain decoding, in
-        T(1)s, after `backlog` plain rounds the draft model must first catch up on (its
+        T(1)s, after `backlog` missed tokens the draft model must first catch up on (its
         first pass takes them too, priced on the target's cost curve). Its cost is taken
         at the margin that drafting must clear: a forecast short of it is no free look."""
         c = self.draft_ratio or 0.0
