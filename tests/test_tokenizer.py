@@ -81,6 +81,17 @@ def tiny_dirs(tmp_path_factory):
     config["chat_template"] = FEATURE_TEMPLATE
     config_file.write_text(json.dumps(config))
     dirs["llama, template with jinja extras"] = featured
+    # Tokens only tokenizer_config.json lists are added to the vocabulary, by transformers
+    # and the light tokenizer alike; these make mlx-lm pass enable_thinking=True.
+    thinking = build_tiny_model(root / "thinking", arch="llama", seed=2)
+    config_file = thinking / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    size = len(json.loads((thinking / "tokenizer.json").read_text())["model"]["vocab"])
+    for i, token in enumerate(["<think>", "</think>"]):
+        config["added_tokens_decoder"][str(size + i)] = {"content": token, "special": False}
+    config["chat_template"] = FEATURE_TEMPLATE
+    config_file.write_text(json.dumps(config))
+    dirs["llama, thinking tokens in the config"] = thinking
     return dirs
 
 
@@ -102,7 +113,13 @@ def pair(path: Path):
 
 
 @pytest.fixture(
-    scope="module", params=[*LIGHT_ARCHS, "llama, template with jinja extras", *REAL_MODELS]
+    scope="module",
+    params=[
+        *LIGHT_ARCHS,
+        "llama, template with jinja extras",
+        "llama, thinking tokens in the config",
+        *REAL_MODELS,
+    ],
 )
 def tokenizers(request, tiny_dirs):
     """(light, mlx-lm's) for each tiny model, and each real one that is present."""
@@ -155,6 +172,14 @@ def test_chat_template_renders_as_transformers(tokenizers, conversation, generat
     assert light.apply_chat_template(messages, **kwargs) == list(
         reference.apply_chat_template(messages, **kwargs)
     )
+
+
+def test_thinking_tokens_turn_enable_thinking_on_as_in_mlx_lm(tiny_dirs):
+    light, reference = pair(tiny_dirs["llama, thinking tokens in the config"])
+    assert light.has_thinking and reference.has_thinking
+    text = light.apply_chat_template(CONVERSATIONS["single"], tokenize=False)
+    assert text.endswith("<think>")
+    assert text == reference.apply_chat_template(CONVERSATIONS["single"], tokenize=False)
 
 
 def test_template_variables_reach_the_template(tiny_dirs):
