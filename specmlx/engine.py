@@ -175,18 +175,25 @@ class Session:
         makes its pass cheaper) and the backend (and its kernels)."""
         from .cpu import describe
 
+        kernels = describe() if backend() == "cpu" else "mlx"
+        return f"{self.cost_kin}{kernels}"
+
+    @property
+    def cost_kin(self) -> str:
+        """What cost keys of the same models on other kernels start with: their costs are
+        this pair's first guess (policy.load_costs)."""
+
         def model(m: Model | None) -> str:
             return f"{m.path}:{m.dtype}:{m.weights or 'as stored'}" if m else "-"
 
         head = self.drafter.head if self.drafter is not None else None
         vocab = f"head {head.ids.size}" if head is not None else "full head"
-        kernels = describe() if backend() == "cpu" else "mlx"
-        return f"{model(self.target)}|{model(self.draft)}:{vocab}|{backend()}|{kernels}"
+        return f"{model(self.target)}|{model(self.draft)}:{vocab}|{backend()}|"
 
     def scheduler(self, source: str) -> Scheduler:
         """The γ policy for a draft source; both share one measured target cost curve."""
         if not self._schedulers:
-            costs = load_costs(self.cost_key)
+            costs = load_costs(self.cost_key, self.cost_kin)
             self._schedulers = {
                 "model": Scheduler(costs, self.max_gamma),
                 "lookup": Scheduler(costs, self.max_gamma, free_drafts=True),

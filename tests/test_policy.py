@@ -447,6 +447,31 @@ def test_costs_are_cached_per_pair(tmp_path, monkeypatch):
     assert load_costs("another pair") == Costs()
 
 
+def test_a_pair_new_to_its_kernels_starts_from_the_same_models_costs_on_others(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("SPECMLX_HOME", str(tmp_path))
+    save_costs("pair|cpu|old kernel", measured(lambda k: 1 + 0.25 * (k - 1), 0.4))
+    save_costs("other pair|cpu|new kernel", measured(lambda k: k, 0.9))
+    start = load_costs("pair|cpu|new kernel", kin="pair|cpu|")
+    assert start.draft_ratio == pytest.approx(0.4) and start.ratio(4) == pytest.approx(1.75)
+    assert not start.plain and start.t1 is None  # T(1) is this process's own
+    # so its first call needs no probe rounds to price a choice
+    assert Scheduler(start).rate(FIRST_PROBE) is not None
+    assert Scheduler(load_costs("pair|cpu|new kernel")).rate(FIRST_PROBE) is None
+
+
+def test_a_kins_figures_give_way_to_the_pairs_own_within_a_few_passes(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECMLX_HOME", str(tmp_path))
+    save_costs("pair|cpu|old kernel", measured(lambda k: k, 0.9))
+    start = load_costs("pair|cpu|new kernel", kin="pair|cpu|")
+    for _ in range(SETTLE + 1):
+        start.observe_target(1, T1)
+    for _ in range(DRAFT_FIGURES + 1):
+        start.observe_draft(0.3 * T1)
+    assert start.draft_ratio == pytest.approx(0.3)
+
+
 def test_a_cache_in_an_older_format_is_ignored(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECMLX_HOME", str(tmp_path))
     (tmp_path / "costs.json").write_text('{"pair": {"target": {"1": 0.2}, "draft": 0.1}}')

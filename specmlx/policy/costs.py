@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -151,6 +152,7 @@ class Costs:
             "calibration": self.calibration,
             "rewind": self.rewind,
             "cost_probes": [self.plain_since_cost_probe, self.cost_backoff],
+            "saved": time.time(),  # which kin entry is the newest (see load_costs)
         }
 
     @classmethod
@@ -176,12 +178,40 @@ def cost_cache_path() -> Path:
     return home() / "costs.json"
 
 
-def load_costs(key: str) -> Costs:
-    """This pair's cached costs; nothing when absent or in an old format."""
+def load_costs(key: str, kin: str | None = None) -> Costs:
+    """This pair's cached costs; when it has none, what the last run of a kin key (one
+    that starts with `kin`: the same models on other kernels) measured, as a start; else
+    nothing. An entry in an old format counts as none."""
     try:
-        return Costs.from_json(json.loads(cost_cache_path().read_text())[key])
-    except (OSError, KeyError, ValueError, TypeError, AttributeError):
+        data = json.loads(cost_cache_path().read_text())
+    except (OSError, ValueError):
         return Costs()
+    if not isinstance(data, dict):
+        return Costs()
+    try:
+        return Costs.from_json(data[key])
+    except (KeyError, ValueError, TypeError, AttributeError):
+        pass
+    kins = [v for k, v in data.items() if kin and k.startswith(kin) and isinstance(v, dict)]
+    for entry in sorted(kins, key=lambda v: v.get("saved", 0), reverse=True):
+        try:
+            return borrowed(Costs.from_json(entry))
+        except (KeyError, ValueError, TypeError, AttributeError):
+            continue
+    return Costs()
+
+
+def borrowed(kin: Costs) -> Costs:
+    """A kin pair's costs as a start: its last few figures of each (enough to price a
+    choice without the first call's probes: a new kernel or head made every first run
+    lose ~8% to them), so that this pair's own figures outweigh them within a few passes.
+    Not its T(1) or cost-probe back-off: those are this pair's alone."""
+
+    def last(samples: list[float]) -> list[float]:
+        return samples[-DRAFT_FIGURES:]
+
+    target = {k: last(v) for k, v in kin.target.items()}
+    return Costs([], target, last(kin.draft), None, kin.calibration, last(kin.rewind))
 
 
 def save_costs(key: str, costs: Costs) -> None:
