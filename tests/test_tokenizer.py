@@ -275,6 +275,28 @@ def test_light_model_load_reports_its_tokenizer(tiny_dirs):
     assert type(model.tokenizer).__name__ == "LightTokenizer"
 
 
+def test_transformers_tokenizer_on_request(tiny_dirs, monkeypatch):
+    monkeypatch.setenv("SPECMLX_TOKENIZER", "transformers")
+    model = specmlx.load(tiny_dirs["llama"])
+    assert model.info["tokenizer"] == "transformers: SPECMLX_TOKENIZER=transformers"
+
+
+def test_a_generation_is_the_same_with_either_tokenizer(tiny_dirs, monkeypatch):
+    path = tiny_dirs["qwen3"]
+    light = specmlx.load(path)
+    monkeypatch.setenv("SPECMLX_TOKENIZER", "transformers")
+    heavy = specmlx.load(path)
+    for model in (light, heavy):
+        model.tokenizer.eos_token_ids = set()  # random weights: a fixed length
+    prompt = light.tokenizer.apply_chat_template(CONVERSATIONS["multi-turn"], tokenize=False)
+    runs = [specmlx.generate(m, prompt, max_tokens=24, temperature=0) for m in (light, heavy)]
+    for gen in runs:
+        list(gen)
+    assert runs[0].tokens == runs[1].tokens
+    assert runs[0].text == light.tokenizer.decode(runs[0].tokens)
+    assert runs[0].text in (runs[1].text, " " + runs[1].text)  # mlx-lm's drops a first space
+
+
 @pytest.mark.parametrize("model_type", sorted(TRANSFORMERS_CLASSES))
 def test_transformers_class_table_is_transformers_own(model_type):
     from transformers.models.auto import tokenization_auto as auto
