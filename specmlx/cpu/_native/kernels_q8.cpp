@@ -68,6 +68,26 @@ inline void prefetch_scales(const void* p, size_t i, ScaleType t, int count) {
 
 using TileFn = void (*)(const QmmJob&, int n, int rows, int m0);
 
+// How far ahead of a tile its weights are prefetched, in memory order. A tile reads two
+// adjacent rows in two streams; the bytes after them are the next tiles' rows, so one
+// pointer that moves twice as fast as each stream, kPrefetchBytes past the pair's start,
+// asks for every line of the matrix once, in address order. Each stream prefetching its
+// own row 2 KiB ahead instead (the first version) ran past short rows (a 1.5 KiB head
+// row) into the other stream's and left the start of the next tiles' rows to demand misses:
+// weights streaming from DRAM came far slower at M <= 3 (bench/results/int8_prefetch.md).
+// 8 KiB stays well inside L1.
+constexpr int kPrefetchBytes = 8 << 10;
+
+// Prefetch one chunk's share of the weights ahead (see kPrefetchBytes): `bytes` of flat
+// memory, a whole number of cache lines, from pair + kPrefetchBytes + bytes * chunk.
+template <int Bytes>
+inline void prefetch_ahead(const uint8_t* pair, int chunk) {
+  const char* p = reinterpret_cast<const char*>(pair) + kPrefetchBytes + size_t(Bytes) * chunk;
+  for (int off = 0; off < Bytes; off += 64) {
+    _mm_prefetch(p + off, _MM_HINT_T0);
+  }
+}
+
 bool has_vnni512() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
@@ -204,10 +224,9 @@ SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n, int rows, int m0) {
     prefetch_scales(p, s1, j.stype, groups);
   }
   for (int c = 0; c < chunks; ++c) {
-    // 2 KiB ahead: weights that stream from DRAM (a whole model's do) come ~1.4x faster
-    // than with the float32 kernel's 4 groups, which left int8 x no faster at M <= 3.
-    _mm_prefetch(reinterpret_cast<const char*>(w0 + (c + 32) * kBytes), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w1 + (c + 32) * kBytes), _MM_HINT_T0);
+    // Weights that stream from DRAM (a whole model's do) need a long prefetch: with the
+    // float32 kernel's 4 groups ahead, int8 x was no faster at M <= 3.
+    prefetch_ahead<2 * kBytes>(w0, c);
     // Plain loads but for a partial last chunk: masked ones stream from DRAM more slowly.
     const bool full = c + 1 < chunks;
     const uint8_t* p0 = w0 + c * kBytes;
@@ -334,8 +353,7 @@ SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n, int rows, int m0) {
     prefetch_scales(p, s1, j.stype, groups);
   }
   for (int c = 0; c < chunks; ++c) {
-    _mm_prefetch(reinterpret_cast<const char*>(w0 + (c + 32) * kBytes), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w1 + (c + 32) * kBytes), _MM_HINT_T0);
+    prefetch_ahead<2 * kBytes>(w0, c);
     const bool full = c + 1 < chunks || full_tail;
     const __m256i b0 = load_chunk32(w0 + c * kBytes, full);
     const __m256i b1 = load_chunk32(w1 + c * kBytes, full);
