@@ -224,7 +224,7 @@ def build_tiny_model(
     """
     if arch not in ARCHITECTURES:
         raise ValueError(f"no tiny config for {arch!r}; known: {', '.join(ARCHITECTURES)}")
-    from mlx_lm.utils import _get_classes
+    from .mlxlm import model_classes
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -241,7 +241,7 @@ def build_tiny_model(
         for name, w in sorted(weights.items()):
             weights[name] = w + noise * mx.std(w) * mx.random.normal(w.shape)
     else:
-        model_class, args_class = _get_classes(config)
+        model_class, args_class = model_classes(config)
         model = model_class(args_class.from_dict(config))
         weights = dict(tree_flatten(model.parameters()))
         # Families that always tie (Gemma) have no head of their own to sharpen.

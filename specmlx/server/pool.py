@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.utils import common_prefix_len
 
-from ..caches import layers
+from ..caches import common_prefix_len, layers
 from ..engine import Session
 from ..loading import Model
 
