@@ -5,6 +5,7 @@
     python bench/native_matmul.py --out bench/results/native_matmul.md
     python bench/native_matmul.py --activations         # float32 vs int8 x, 1.5B layers
     python bench/native_matmul.py --activations --model DIR   # and whole-model passes T(k)
+    python bench/native_matmul.py --builds DIR_A DIR_B  # two builds of the kernel, int8 x
 
 Shapes: a 4096x4096 layer and Qwen2.5-1.5B's linear layers (hidden 1536, intermediate
 8960, vocab 151936), INT4 g64 with float32 activations and scales (what specmlx.load uses
@@ -20,6 +21,14 @@ x quantized to int8 for integer dot products) on the 1.5B's INT4 layers at M = 1
 the modes alternating within every repeat so that load from other processes hits both
 alike; with --model, also one forward pass of that model over k tokens (on a short
 prompt's cache, trimmed back after each pass), k = 1, 2, 4, 8, 16.
+
+--builds times two builds of the extension (each DIR holds an _ext*.so built for this
+mlx, e.g. from two commits' specmlx/cpu/_native) against each other in one process, the
+builds alternating within every repeat: int8 x, 2 threads, at M = 1, 2, 3, 8, on the
+1.5B's gate/up and down projections (INT4) and the 1.5B head and the 0.5B draft's
+sub-vocabulary head (8-bit), fp16 scales as checkpoints store them. Copies of each matrix
+(~300 MB in all) are cycled so that every call reads its weights from DRAM, as a model's
+step does. --isa forces an instruction set in both.
 """
 
 from __future__ import annotations
@@ -54,6 +63,13 @@ ACTIVATION_ROWS = (1, 2, 4, 8, 16, 64, 128)
 ACTIVATION_SHAPES = [name for name in SHAPES if name.startswith("qwen1.5b") and "head" not in name]
 PASS_TOKENS = (1, 2, 4, 8, 16)
 MODES = ("float32", "int8")
+BUILD_SHAPES = {  # name: (N, K, bits, copies cycled)
+    "qwen1.5b gate/up 8960x1536 (4-bit)": (8960, 1536, 4, 40),
+    "qwen1.5b down 1536x8960 (4-bit)": (1536, 8960, 4, 40),
+    "qwen1.5b head 151936x1536 (8-bit)": (151936, 1536, 8, 2),
+    "qwen0.5b sub-vocab head 65536x896 (8-bit)": (65536, 896, 8, 4),
+}
+BUILD_ROWS = (1, 2, 3, 8)
 
 
 def median_ms(fn: Callable[[], mx.array], reps: int) -> float:
@@ -217,6 +233,70 @@ def model_passes(args) -> list[str]:
     return lines
 
 
+def load_build(directory: str):
+    """The _ext module of the build in `directory`, loaded beside any other: each .so is its
+    own library, and the module registers functions only, no types."""
+    import glob
+    import importlib.util
+
+    found = glob.glob(os.path.join(directory, "_ext*.so"))
+    if not found:
+        sys.exit(f"no _ext*.so in {directory}; build specmlx/cpu/_native there first")
+    spec = importlib.util.spec_from_file_location("specmlx.cpu._native._ext", found[0])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if module.built_for_mlx != mx.__version__:
+        sys.exit(f"{found[0]} was built for mlx {module.built_for_mlx}, not {mx.__version__}")
+    return module
+
+
+def compare_builds(args) -> list[str]:
+    """Table rows: ms per call of each build, per matrix and M, builds interleaved."""
+    builds = {directory: load_build(directory) for directory in args.builds}
+    for ext in builds.values():
+        ext.set_threads(2)
+        ext.set_activations("int8")
+        if args.isa:
+            ext.set_isa(args.isa)
+    a, b = args.builds
+    lines = [
+        f"command: python {' '.join(sys.argv)}",
+        f"cpu: {cpu_name()}, {os.cpu_count()} logical CPUs; int8 x, 2 threads, "
+        f"isa {builds[a].isa()} (int8 tiles {builds[a].q8_kernel()}); mlx {mx.__version__}",
+        f"A = {a}, B = {b}; g{GROUP_SIZE}, fp16 scales; ms per call, median of {args.reps} "
+        "passes over the cycled copies, the builds interleaved",
+        "",
+        "| matrix | M | A ms | B ms | A / B | B GB/s |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    print("\n".join(lines), flush=True)
+    for name, (n, k, bits, copies) in BUILD_SHAPES.items():
+        mx.random.seed(0)
+        w, scales, biases = mx.quantize(mx.random.normal((n, k)), group_size=GROUP_SIZE, bits=bits)
+        mats = [(w + 0, scales.astype(mx.float16) + 0, biases.astype(mx.float16) + 0)]
+        mats += [tuple(t + 0 for t in mats[0]) for _ in range(copies - 1)]  # own buffers
+        mx.eval(mats)
+        del w, scales, biases
+        gb = sum(t.nbytes for t in mats[0]) / 1e9
+        for m in BUILD_ROWS:
+            x = mx.random.normal((m, k))
+            mx.eval(x)
+            times: dict[str, list[float]] = {d: [] for d in builds}
+            for rep in range(args.reps + 1):  # the first pass warms up
+                for d, ext in builds.items():
+                    t0 = time.perf_counter()
+                    for mat in mats:
+                        mx.eval(ext.quantized_matmul(x, *mat, GROUP_SIZE, bits))
+                    if rep:
+                        times[d].append((time.perf_counter() - t0) / copies)
+            ta, tb = (statistics.median(times[d]) * 1e3 for d in args.builds)
+            row = f"| {name} | {m} | {ta:.3f} | {tb:.3f} | {ta / tb:.2f}x | {gb / tb * 1e3:.1f} |"
+            lines.append(row)
+            print(row, flush=True)
+        del mats
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="only the 4096x4096 layer")
@@ -227,7 +307,14 @@ def main() -> None:
         "--activations", action="store_true", help="float32 vs int8 x on the 1.5B's layers"
     )
     parser.add_argument("--model", help="with --activations: also whole-model passes of this model")
+    parser.add_argument("--builds", nargs=2, metavar="DIR", help="time two builds of _ext")
+    parser.add_argument("--isa", help="with --builds: force avx512, avx2 or scalar in both")
     args = parser.parse_args()
+    if args.builds:
+        lines = compare_builds(args)
+        if args.out:
+            write(args.out, lines)
+        return
     if not native.available():
         sys.exit(f"native kernel unavailable: {native.reason()}")
     if args.model and not args.activations:
