@@ -93,6 +93,19 @@ def test_a_verify_row_is_bitwise_the_decode_step_of_its_position(ratio, d, isas)
                 assert np.array_equal(alone[:, :, 0], together[:, :, i]), (isa, rows, i)
 
 
+def test_a_prefill_chunk_cut_into_parts_keeps_every_rows_bits(isas):
+    # 6 x 100 rows of 2100 keys hold more scores than one work item keeps: several parts
+    q, k, v = qkv(1, 1, 6, 100, 2100, 64)
+    for isa in isas:
+        together = native_attention(q, k, v, True, isa)
+        for i in (0, 57, 99):
+            seen = 2100 - 100 + i + 1
+            alone = native_attention(
+                q[:, :, i : i + 1], k[..., :seen, :], v[..., :seen, :], False, isa
+            )
+            assert np.array_equal(alone[:, :, 0], together[:, :, i]), (isa, i)
+
+
 def test_a_row_does_not_depend_on_the_rows_beside_it(isas):
     # the same rows without the other KV head's, the other batch's or the positions before
     q, k, v = qkv(2, 2, 6, 9, 500, 128)

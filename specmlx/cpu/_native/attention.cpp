@@ -38,6 +38,8 @@ constexpr int kMaxRowGroup = 4;
 // Keys per value block: 32 rows of D <= 128 floats stay in L1 while every query row of a
 // tile reads them.
 constexpr int kValueBlock = 32;
+// Scores a work item keeps (4 MiB): a prefill chunk's rows are cut into parts below it.
+constexpr size_t kMaxScores = size_t(1) << 20;
 // Waking a worker costs ~20 us: split only when each thread gets this many multiply-adds.
 constexpr size_t kMinWorkPerThread = size_t(1) << 20;
 
@@ -395,9 +397,12 @@ void run(const Call& c) {
   const int tiles = c.B * c.Hkv, rows = c.Hq / c.Hkv * c.Lq;
   const size_t work = size_t(c.B) * c.Hq * c.Lq * c.Lk * c.D * 2;
   const int n_threads = int(std::clamp<size_t>(work / kMinWorkPerThread, 1, pool.size()));
-  // With fewer tiles than threads, a tile's rows are split: every row still computes the
-  // same bits, whichever part it falls in.
-  const int parts = std::min(rows, (n_threads + tiles - 1) / tiles);
+  // With fewer tiles than threads, a tile's rows are split, and so are those of a long
+  // prefill chunk whose scores would not fit kMaxScores: every row still computes the same
+  // bits, whichever part it falls in.
+  const size_t lds = (c.Lk + kBlock - 1) / kBlock * kBlock;
+  const int parts = std::min<size_t>(
+      rows, std::max<size_t>((n_threads + tiles - 1) / tiles, (rows * lds + kMaxScores - 1) / kMaxScores));
   const int items = tiles * parts;
   const int used = std::min(n_threads, items);
   pool.run(used, [&](int t) {
