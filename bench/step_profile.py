@@ -30,6 +30,7 @@ from mlx.utils import tree_flatten
 
 from specmlx.caches import make_cache, prefill, timed_pass
 from specmlx.cpu import native
+from specmlx.cpu.attention import scaled_dot_product_attention
 from specmlx.loading import load
 
 
@@ -146,9 +147,9 @@ def main() -> None:
     ]
     mx.eval(xs, hidden, qkv)
 
-    def attention():
+    def attention():  # the model's own: the native op, or MLX's (SPECMLX_ATTENTION)
         return [
-            mx.fast.scaled_dot_product_attention(q, k, v, scale=q.shape[-1] ** -0.5)
+            scaled_dot_product_attention(q, k, v, cache=None, scale=q.shape[-1] ** -0.5, mask=None)
             for q, k, v in qkv
         ]
 
