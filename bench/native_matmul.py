@@ -28,7 +28,11 @@ builds alternating within every repeat: int8 x, 2 threads, at M = 1, 2, 3, 8, on
 1.5B's gate/up and down projections (INT4) and the 1.5B head and the 0.5B draft's
 sub-vocabulary head (8-bit), fp16 scales as checkpoints store them. Copies of each matrix
 (~300 MB in all) are cycled so that every call reads its weights from DRAM, as a model's
-step does. --isa forces an instruction set in both.
+step does. --isa forces an instruction set in both. With --model, also whole-model passes
+of that model over k = 1, 2, 4, 8 tokens (on a short prompt's cache, trimmed back after),
+the builds alternating pass by pass: each build's quantized_matmul in turn serves every
+quantized layer, head included, the rest of the extension (softmax, attention) being the
+installed one's throughout.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ BUILD_SHAPES = {  # name: (N, K, bits, copies cycled)
     "qwen0.5b sub-vocab head 65536x896 (8-bit)": (65536, 896, 8, 4),
 }
 BUILD_ROWS = (1, 2, 3, 8)
+BUILD_PASS_TOKENS = (1, 2, 4, 8)
 
 
 def median_ms(fn: Callable[[], mx.array], reps: int) -> float:
@@ -250,6 +255,55 @@ def load_build(directory: str):
     return module
 
 
+class _Routed:
+    """The installed extension, but with another build's quantized_matmul."""
+
+    def __init__(self, installed, build) -> None:
+        self._installed, self._build = installed, build
+
+    def __getattr__(self, name: str):
+        return getattr(self._build if name == "quantized_matmul" else self._installed, name)
+
+
+def build_passes(args, builds: dict) -> list[str]:
+    """Table rows: one forward pass of the model over k tokens with each build's matmul."""
+    from specmlx.bench import encode
+    from specmlx.caches import make_cache, prefill, timed_pass
+    from specmlx.loading import load
+
+    model = load(args.model)
+    ids = encode(model, "Write a python function that adds two numbers and explain it.", True)
+    cache = make_cache(model.module)
+    prefill(model, cache, ids)
+    installed = native._ext
+    routed = {d: _Routed(installed, ext) for d, ext in builds.items()}
+    wall = {d: {k: [] for k in BUILD_PASS_TOKENS} for d in builds}
+    try:
+        for rep in range(args.reps + 1):  # the first round pays one-time work
+            for k in BUILD_PASS_TOKENS:
+                for d in builds:
+                    native._ext = routed[d]
+                    t = timed_pass(model, cache, ids[-k:])
+                    if rep:
+                        wall[d][k].append(t)
+    finally:
+        native._ext = installed
+    a, b = args.builds
+    lines = [
+        "",
+        f"whole-model pass over k tokens, {model.name} ({len(ids)}-token prompt cached), "
+        f"median of {args.reps}, each build's quantized_matmul in turn:",
+        "",
+        "| k | A ms | B ms | A / B |",
+        "|---:|---:|---:|---:|",
+    ]
+    for k in BUILD_PASS_TOKENS:
+        ta, tb = (statistics.median(wall[d][k]) * 1e3 for d in (a, b))
+        lines.append(f"| {k} | {ta:.1f} | {tb:.1f} | {ta / tb:.2f}x |")
+    print("\n".join(lines), flush=True)
+    return lines
+
+
 def compare_builds(args) -> list[str]:
     """Table rows: ms per call of each build, per matrix and M, builds interleaved."""
     builds = {directory: load_build(directory) for directory in args.builds}
@@ -294,6 +348,8 @@ def compare_builds(args) -> list[str]:
             lines.append(row)
             print(row, flush=True)
         del mats
+    if args.model:
+        lines += build_passes(args, builds)
     return lines
 
 
@@ -317,8 +373,8 @@ def main() -> None:
         return
     if not native.available():
         sys.exit(f"native kernel unavailable: {native.reason()}")
-    if args.model and not args.activations:
-        sys.exit("--model times whole-model passes for --activations; add --activations")
+    if args.model and not (args.activations or args.builds):
+        sys.exit("--model times whole-model passes for --activations or --builds; add one")
     if args.activations:
         before = native.activations()
         header = [

@@ -9,9 +9,9 @@ optional: when it is not built, was built for another mlx release, or the call i
 it handles (other bits or modes, a GPU stream), everything falls back to
 `mx.quantized_matmul`.
 
-Its 4-bit matmuls take x either as float32 or quantized to int8 per 32-block for integer
-dot products (`set_activations`, SPECMLX_ACTIVATIONS; the kernel README has the choice
-and its figures).
+Its matmuls (4- and 8-bit) take x either as float32 or quantized to int8 per 32-block for
+integer dot products (`set_activations`, SPECMLX_ACTIVATIONS; the kernel README has the
+choice and its figures).
 """
 
 from __future__ import annotations
@@ -130,15 +130,15 @@ def set_threads(n: int) -> None:
 
 
 def activations() -> str:
-    """What the kernel's 4-bit matmuls multiply: 'int8' (x quantized per 32-block) or
-    'float32' x. 8-bit layers always take float32 x."""
+    """What the kernel's matmuls, 4- and 8-bit, multiply: 'int8' (x quantized per
+    32-block) or 'float32' x."""
     if _ext is None or not hasattr(_ext, "activations"):
         return "float32"
     return _ext.activations()
 
 
 def set_activations(mode: str) -> None:
-    """Choose 'int8' or 'float32' activations for the 4-bit matmuls evaluated from now on."""
+    """Choose 'int8' or 'float32' activations for the matmuls evaluated from now on."""
     if mode not in ACTIVATIONS:
         raise SpecmlxError(f"unknown activations {mode!r}; use one of {', '.join(ACTIVATIONS)}")
     if _ext is None or not hasattr(_ext, "set_activations"):
