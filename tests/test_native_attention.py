@@ -219,6 +219,7 @@ def test_greedy_speculation_on_native_attention_equals_the_target_alone(pair, mo
     target, draft = models[pair[0]], models[pair[1]]
     source = sys.modules[type(target.module.model.layers[0].self_attn).__module__]
     assert source.scaled_dot_product_attention is attention.scaled_dot_product_attention
+    assert attention.patch_model(target.module)  # specmlx.load did it; again changes nothing
     counting = CountingExt(native._ext)
     monkeypatch.setattr(native, "_ext", counting)
     ids = target.tokenizer.encode("def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):")
