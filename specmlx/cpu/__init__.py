@@ -1,11 +1,11 @@
 """The CPU backend: specmlx's native INT4/INT8 kernel, and the fp32 weights mode on a fast BLAS.
 
-    native.py   the C++ extension's ops (INT4/INT8 matmul, row softmax), their fallbacks
-                to MLX, and `patch_model`, which routes quantized layers through them
-    attention.py  mlx-lm's attention function, replaced in a model's modules by the
-                extension's attention op where it applies (SPECMLX_ATTENTION)
-    fp32.py     the fp32 weights mode: INT4 expanded to float32 at load, and the auto choice
-    blas.py     finding a fast BLAS and putting it under MLX before mlx is loaded
+    native.py     the C++ extension's ops (INT4/INT8 matmul, row softmax), their fallbacks
+                  to MLX, and `patch_model`, which routes quantized layers through them
+    attention.py  mlx-lm's attention function, replaced in a model's modules by one that
+                  runs the extension's attention op where it applies (SPECMLX_ATTENTION)
+    fp32.py       the fp32 weights mode: INT4 expanded to float32 at load, and the auto choice
+    blas.py       finding a fast BLAS and putting it under MLX before mlx is loaded
 
 `specmlx.load` calls `prepare` once per model. The CLI calls `setup_cli` at start-up, and
 only when fp32 weights are asked for: INT4 weights never touch the BLAS's hot path.
