@@ -26,14 +26,14 @@ if TYPE_CHECKING:
     import mlx.core as mx
     import mlx.nn as nn
 
-    from .native import available, describe, softmax
+    from .native import available, softmax
 
 __all__ = ["CPU_WEIGHTS", "available", "blas_info", "describe", "prepare", "setup_cli", "softmax"]
 
 # What `--cpu-weights` accepts: auto (see fp32.pick_cpu_weights), int4 as stored, or fp32.
 CPU_WEIGHTS = ("auto", "int4", "fp32")
 
-_LAZY = {"available": "native", "describe": "native", "softmax": "native"}
+_LAZY = {"available": "native", "softmax": "native"}
 
 
 def __getattr__(name: str):
@@ -42,6 +42,14 @@ def __getattr__(name: str):
     value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
     globals()[name] = value
     return value
+
+
+def describe() -> str:
+    """One line for stats, benchmarks and the cost cache's keys: which INT4 matmul runs,
+    and how, and which attention."""
+    from . import attention, native
+
+    return f"{native.describe()}; {attention.describe()}"
 
 
 def prepare(

@@ -172,20 +172,15 @@ def keep_exact(module: nn.Module, name: str) -> None:
 
 
 def describe() -> str:
-    """One line for stats and benchmarks: which INT4 matmul runs, and how, and which
-    attention."""
+    """Which INT4 matmul runs, and how (specmlx.cpu.describe adds the attention)."""
     if _ext is None:
         return f"mx.quantized_matmul (native kernel unavailable: {_reason})"
-    from .attention import describe as attention
-
     acts = activations()
     if acts == "int8":
         acts = f"int8 activations ({_ext.q8_kernel()})"
     else:
         acts = "float32 activations" + (f": {_float32_why}" if _float32_why else "")
-    return (
-        f"specmlx native INT4/INT8 ({_ext.isa()}, {_ext.threads()} threads, {acts}); {attention()}"
-    )
+    return f"specmlx native INT4/INT8 ({_ext.isa()}, {_ext.threads()} threads, {acts})"
 
 
 def supports(
