@@ -57,12 +57,13 @@ SPECMLX_F16C inline std::array<float, L> scales_from(const void* p, size_t i, Sc
 
 // Ask for a row's scales or biases (count of them from index i) ahead of use: they are
 // short runs the hardware prefetcher does not pick up, and the biases are read only after
-// the row's codes, one DRAM latency per tile otherwise.
+// the row's codes, one DRAM latency per tile otherwise. Every cache line the run touches.
 inline void prefetch_scales(const void* p, size_t i, ScaleType t, int count) {
   const size_t bytes = t == ScaleType::f32 ? 4 : 2;
-  const char* first = static_cast<const char*>(p) + i * bytes;
-  for (size_t off = 0; off < size_t(count) * bytes; off += 64) {
-    _mm_prefetch(first + off, _MM_HINT_T0);
+  const uintptr_t first = reinterpret_cast<uintptr_t>(p) + i * bytes;
+  const uintptr_t last = first + size_t(count) * bytes - 1;
+  for (uintptr_t line = first & ~uintptr_t(63); line <= last; line += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
   }
 }
 
@@ -219,9 +220,13 @@ SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n, int rows, int m0) {
   for (int m = 0; m < MT; ++m) {
     acc[m] = _mm512_setzero_ps();
   }
+  // This pair's scales and biases, and those of the pair whose weights the prefetch is
+  // reaching (kPrefetchBytes ahead): asked for only here, they came a DRAM latency late.
+  const size_t ahead = size_t(n + kPrefetchBytes / bytes + 2) * groups;
   for (const void* p : {j.scales, j.biases}) {
     prefetch_scales(p, s0, j.stype, groups);
     prefetch_scales(p, s1, j.stype, groups);
+    prefetch_scales(p, ahead, j.stype, 2 * groups);
   }
   for (int c = 0; c < chunks; ++c) {
     // Weights that stream from DRAM (a whole model's do) need a long prefetch: with the
@@ -348,9 +353,13 @@ SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n, int rows, int m0) {
     acc0[m] = _mm256_setzero_ps();
     acc1[m] = _mm256_setzero_ps();
   }
+  // This pair's scales and biases, and those of the pair whose weights the prefetch is
+  // reaching (kPrefetchBytes ahead): asked for only here, they came a DRAM latency late.
+  const size_t ahead = size_t(n + kPrefetchBytes / bytes + 2) * groups;
   for (const void* p : {j.scales, j.biases}) {
     prefetch_scales(p, s0, j.stype, groups);
     prefetch_scales(p, s1, j.stype, groups);
+    prefetch_scales(p, ahead, j.stype, 2 * groups);
   }
   for (int c = 0; c < chunks; ++c) {
     prefetch_ahead<2 * kBytes>(w0, c);
