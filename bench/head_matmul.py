@@ -12,8 +12,9 @@ layers packed.
 --activations times the kernel's two modes (native.set_activations) on the heads specmlx
 runs: the 1.5B's 151936x1536 and the 0.5B draft's sub-vocabulary head (65536 rows of its
 896-wide tied embedding), 8-bit g64 with fp16 scales and biases as a checkpoint stores
-them, at M = 1, 2, 4, 8. Several copies of each head are cycled so that every call reads
-its weights from DRAM, as in a model's step; the modes alternate within every repeat.
+them, at M = 1, 2, 4, 8 (--rows chooses others). Several copies of each head are cycled so
+that every call reads its weights from DRAM, as in a model's step; the modes alternate
+within every repeat.
 GB/s is the bytes one call reads (codes, scales, biases) over its median time.
 """
 
@@ -85,7 +86,7 @@ def compare_activations(args) -> None:
         for name, (rows, cols, copies) in ACTIVATION_HEADS.items():
             heads = fp16_head(rows, cols, copies)
             gb = sum(a.nbytes for a in heads[0]) / 1e9
-            for m in ACTIVATION_ROWS:
+            for m in args.rows:
                 x = mx.random.normal((m, cols))
                 mx.eval(x)
                 ms = cycled_ms(x, heads, args.reps)
@@ -109,6 +110,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7, help="with --activations: timed passes")
     parser.add_argument("--out", help="with --activations: also write the table here")
     parser.add_argument("--isa", help="with --activations: force avx512, avx2 or scalar")
+    parser.add_argument(
+        "--rows", type=int, nargs="+", default=ACTIVATION_ROWS, help="with --activations: M"
+    )
     args = parser.parse_args()
     if args.activations:
         if not native.available():
