@@ -1,0 +1,210 @@
+"""specmlx.stepwise: a short pass of a Mamba-2 model gives each position, and the cache,
+the bits one-token steps give them, so speculation decodes what the target alone does."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import ArraysCache
+
+import specmlx
+from specmlx import stepwise
+from specmlx.caches import checkpoint, layers, make_cache, prefill, rewind
+from specmlx.cpu import native
+from specmlx.mlxlm import model_classes
+from specmlx.settings import MAX_GAMMA
+from specmlx.tiny import build_tiny_model
+
+ARCHS = ["mamba2", "granitemoehybrid", "falcon_h1"]
+PROMPT = (
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n"
+    "    return a\nThe quick brown fox jumps over the lazy dog."
+)
+N = 32
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(target dir, draft dir) of a tiny float32 model of `arch`, built once."""
+    root = tmp_path_factory.mktemp("stepwise")
+    built: dict[str, tuple] = {}
+
+    def pair(arch: str):
+        if arch not in built:
+            target = build_tiny_model(root / f"{arch}-target", arch=arch, seed=0)
+            draft = build_tiny_model(
+                root / f"{arch}-draft", arch=arch, seed=1, perturb_from=target, noise=0.05
+            )
+            built[arch] = (target, draft)
+        return built[arch]
+
+    return pair
+
+
+@pytest.fixture
+def chunked():
+    """mlx-lm's own chunked form for every pass while the test runs."""
+    stepwise.set_enabled(False)
+    yield
+    stepwise.set_enabled(True)
+
+
+def arrays(cache: list) -> list[mx.array]:
+    """Every array the cache holds: conv and SSM states, the KV caches' stored keys and values."""
+    out = []
+    for c in layers(cache):
+        if isinstance(c, ArraysCache):
+            out += [x for x in c.cache if x is not None]
+        else:  # a KVCache's buffer past its offset holds what a rewind dropped
+            out += [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
+    return out
+
+
+def one_pass_and_steps(model: specmlx.Model, tokens: list[int]):
+    """(logits, cache arrays) of `tokens` as one pass and as one-token steps, each from the
+    same prefilled prompt."""
+    cache = make_cache(model.module)
+    prefill(model, cache, model.tokenizer.encode(PROMPT))
+    saved = checkpoint(cache)
+    one = model.module(mx.array([tokens], mx.uint32), cache=cache)[0]
+    one_state = arrays(cache)
+    mx.eval(one, one_state)
+    rewind(model, cache, saved, [], len(tokens))
+    steps = mx.concatenate(
+        [model.module(mx.array([[t]], mx.uint32), cache=cache)[0] for t in tokens]
+    )
+    steps_state = arrays(cache)
+    mx.eval(steps, steps_state)
+    return (one, one_state), (steps, steps_state)
+
+
+def bitwise_equal(a: list[mx.array], b: list[mx.array]) -> bool:
+    return len(a) == len(b) and all(
+        x.shape == y.shape and mx.array_equal(x, y).item() for x, y in zip(a, b, strict=True)
+    )
+
+
+def test_the_longest_verify_pass_is_stepped():
+    assert stepwise.MAX_TOKENS == MAX_GAMMA + 1
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_model_has_its_mixers_stepped_on_load(arch, tiny):
+    model = specmlx.load(tiny(arch)[0])
+    assert stepwise.patch_model(model.module) == 2  # two layers, each one Mamba-2 mixer
+    assert stepwise.stepped(model.module)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_pass_over_up_to_max_gamma_plus_one_tokens_equals_one_token_steps(arch, tiny):
+    model = specmlx.load(tiny(arch)[0])
+    for k in range(2, stepwise.MAX_TOKENS + 1):
+        tokens = [(5 + 37 * i) % 200 for i in range(k)]
+        (one, one_state), (steps, steps_state) = one_pass_and_steps(model, tokens)
+        assert mx.array_equal(one, steps).item(), f"logits, k = {k}"
+        assert bitwise_equal(one_state, steps_state), f"cache, k = {k}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mlx_lms_chunked_pass_is_not_bit_exact_without_it(arch, tiny, chunked):
+    # Why the module exists: if mlx-lm's multi-token form ever gives a step's bits, it can go.
+    model = specmlx.load(tiny(arch)[0])
+    (one, _), (steps, _) = one_pass_and_steps(model, [5, 17, 42])
+    assert not mx.array_equal(one, steps).item()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_prompt_prefill_keeps_mlx_lms_chunked_form(arch, tiny):
+    model = specmlx.load(tiny(arch)[0])
+    ids = model.tokenizer.encode(PROMPT)
+    assert len(ids) > stepwise.MAX_TOKENS
+    results = []
+    for on in (True, False):
+        stepwise.set_enabled(on)
+        cache = make_cache(model.module)
+        # The prompt over an empty cache, then a pass one token too long to be stepped.
+        first = model.module(mx.array([ids], mx.uint32), cache=cache)
+        longer = model.module(mx.array([ids[: stepwise.MAX_TOKENS + 1]], mx.uint32), cache=cache)
+        results.append([first, longer, *arrays(cache)])
+        mx.eval(results[-1])
+    stepwise.set_enabled(True)
+    assert bitwise_equal(*results)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rows_exact_says_exact_only_while_the_mixers_step(arch, tiny):
+    model = specmlx.load(tiny(arch)[0])
+    assert native.rows_exact(model.module)
+    stepwise.set_enabled(False)
+    try:
+        assert not native.rows_exact(model.module)
+    finally:
+        stepwise.set_enabled(True)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_speculation_equals_the_target_alone(arch, tiny):
+    target, draft = (specmlx.load(path) for path in tiny(arch))
+    for m in (target, draft):
+        m.tokenizer.eos_token_ids = set()  # every run decodes N tokens
+    ids = target.tokenizer.encode(PROMPT)
+    alone = specmlx.generate(target, ids, max_tokens=N, num_draft=0).run().tokens
+    rewinds = 0
+    for gamma in (1, 3, 8, "auto"):
+        gen = specmlx.generate(target, ids, draft=draft, max_tokens=N, num_draft=gamma).run()
+        assert gen.tokens == alone, f"gamma {gamma}"
+        rewinds += gen.stats.rewinds
+    assert rewinds > 0  # rejected drafts were rolled back and their accepted part re-run
+
+
+def quantize_int4(source, dest):
+    """An INT4 (group 32) copy of a tiny model, every layer mlx-lm can quantize quantized:
+    what the native kernel runs."""
+    shutil.copytree(source, dest)
+    config = json.loads((dest / "config.json").read_text())
+    model_class, args_class = model_classes(config)
+    module = model_class(args_class.from_dict(config))
+    module.load_weights(str(source / "model.safetensors"))
+    nn.quantize(module, group_size=32, bits=4)
+    weights = dict(tree_flatten(module.parameters()))
+    mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
+    config["quantization"] = {"group_size": 32, "bits": 4}
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest
+
+
+@pytest.fixture
+def int8_activations():
+    """The native kernel's default mode (the suite runs float32 x: see conftest.py)."""
+    if not native.available():
+        pytest.skip(native.reason())
+    before = native.activations()
+    native.set_activations("int8")
+    yield
+    native.set_activations(before)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_int4_models_keep_int8_activations_and_speculate_exactly(
+    arch, tiny, int8_activations, tmp_path
+):
+    models = []
+    for name, source in zip(("target", "draft"), tiny(arch), strict=True):
+        models.append(specmlx.load(quantize_int4(source, tmp_path / name)))
+        models[-1].tokenizer.eos_token_ids = set()
+    target, draft = models
+    assert native.runs_int4(target.module)
+    assert native.activations() == "int8"  # keep_exact found its passes exact
+    (one, one_state), (steps, steps_state) = one_pass_and_steps(target, list(range(5, 14)))
+    assert mx.array_equal(one, steps).item()
+    assert bitwise_equal(one_state, steps_state)
+    ids = target.tokenizer.encode(PROMPT)
+    alone = specmlx.generate(target, ids, max_tokens=N, num_draft=0).run().tokens
+    for gamma in (1, 3, "auto"):
+        gen = specmlx.generate(target, ids, draft=draft, max_tokens=N, num_draft=gamma).run()
+        assert gen.tokens == alone, f"gamma {gamma}"
