@@ -32,7 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
-from . import cpu, mlxlm
+from . import cpu, mlxlm, stepwise
 from .errors import SpecmlxError
 from .safetensors import Header, read_header
 
@@ -286,6 +286,7 @@ def load(
     chosen = pick_dtype(config, dtype)
     stored = dict(tree_flatten(module.parameters()))  # the kernel's layers keep their halves
     cast_floating(module, chosen)
+    stepwise.patch_model(module)  # before prepare: keep_exact asks if passes are exact
     weights, weights_why = cpu.prepare(
         module, cpu_weights, backend(), use_native=native, stored=stored
     )

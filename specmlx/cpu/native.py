@@ -151,15 +151,18 @@ def set_activations(mode: str) -> None:
 def rows_exact(module: nn.Module) -> bool:
     """Whether the model's pass over k tokens gives each position bit for bit what a
     one-token step gives it: where every layer keeps a plain KV cache (global causal
-    attention). Sliding-window attention (its masked multi-token path) and state-space
-    scans differ in the logits' last bits (bench/row_exactness.py), harmless in float32
+    attention), or a Mamba-2 state that specmlx.stepwise steps through short passes.
+    Sliding-window attention (its masked multi-token path) and mlx-lm's chunked Mamba-2
+    scan differ in the logits' last bits (bench/row_exactness.py), harmless in float32
     but enough for int8 x's rounding to carry a near-tie to another greedy token, so that
     speculation would not decode what the target alone does."""
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+    from .. import stepwise
     from ..caches import layers
 
-    return all(type(c) is KVCache for c in layers(make_prompt_cache(module)))
+    kv_only = all(type(c) is KVCache for c in layers(make_prompt_cache(module)))
+    return kv_only or stepwise.stepped(module)
 
 
 def keep_exact(module: nn.Module, name: str) -> None:
