@@ -153,8 +153,16 @@ constexpr int pair_lane(int l) {
   return (l % 2) * 16 + (l / 4) * QC / GS;
 }
 
+// bf16 halves widened in registers: a shift of each into the top of a float (exact).
+SPECMLX_VNNI512 inline __m128 bf16x4_512(const uint16_t* h, __mmask8 valid) {
+  return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(_mm_maskz_loadu_epi16(valid, h)), 16));
+}
+
+// Forced inline, and no calls inside: called once per chunk, it became a call once the
+// 8-bit instantiations were added, and a call (scales_from, the bf16 path's) in the chunk
+// loop made each tile spill and reload its pointers around it.
 template <int GS, int QC>
-SPECMLX_VNNI512 inline __m512 pair_scales512(
+SPECMLX_VNNI512 inline __attribute__((always_inline)) __m512 pair_scales512(
     const void* p, size_t i0, size_t i1, ScaleType t, int count) {
   constexpr auto lane = pair_lane<GS, QC>;  // a name: the macro would split its commas
   const __m512i idx = _mm512_setr_epi32(
@@ -175,10 +183,11 @@ SPECMLX_VNNI512 inline __m512 pair_scales512(
         _mm512_castps128_ps512(_mm_cvtph_ps(_mm_maskz_loadu_epi16(valid, h + i0))), idx,
         _mm512_castps128_ps512(_mm_cvtph_ps(_mm_maskz_loadu_epi16(valid, h + i1))));
   }
-  const auto a = scales_from<4>(p, i0, t, count), b = scales_from<4>(p, i1, t, count);
+  const __mmask8 valid = __mmask8((1u << count) - 1);
+  const uint16_t* h = static_cast<const uint16_t*>(p);
   return _mm512_permutex2var_ps(
-      _mm512_castps128_ps512(_mm_loadu_ps(a.data())), idx,
-      _mm512_castps128_ps512(_mm_loadu_ps(b.data())));
+      _mm512_castps128_ps512(bf16x4_512(h + i0, valid)), idx,
+      _mm512_castps128_ps512(bf16x4_512(h + i1, valid)));
 }
 
 // The bias step's 8 biases from index i (count of them, zeros past), as floats in a register.
