@@ -1,4 +1,4 @@
-"""Mamba 2 mixers that run a short pass token by token, so that a verify pass gives each
+"""Mamba-2 mixers that run a short pass token by token, so that a verify pass gives each
 position the bits a one-token decode step gives it.
 
 mlx-lm's Mamba-2 mixers (mamba2, granitemoehybrid, falcon_h1) compute a pass over several
@@ -53,10 +53,6 @@ CONV_SLOT, SSM_SLOT = 0, 1
 
 _enabled = True
 _patched: set[type] = set()
-
-
-def enabled() -> bool:
-    return _enabled
 
 
 def set_enabled(on: bool) -> None:
