@@ -126,15 +126,21 @@ def test_a_prompt_prefill_keeps_mlx_lms_chunked_form(arch, tiny):
     ids = model.tokenizer.encode(PROMPT)
     assert len(ids) > stepwise.MAX_TOKENS
     results = []
-    for on in (True, False):
-        stepwise.set_enabled(on)
-        cache = make_cache(model.module)
-        # The prompt over an empty cache, then a pass one token too long to be stepped.
-        first = model.module(mx.array([ids], mx.uint32), cache=cache)
-        longer = model.module(mx.array([ids[: stepwise.MAX_TOKENS + 1]], mx.uint32), cache=cache)
-        results.append([first, longer, *arrays(cache)])
-        mx.eval(results[-1])
-    stepwise.set_enabled(True)
+    try:
+        for on in (True, False):
+            stepwise.set_enabled(on)
+            # A short prompt over an empty cache; a long one, then a pass one token too
+            # long to be stepped.
+            short, long = make_cache(model.module), make_cache(model.module)
+            outs = [
+                model.module(mx.array([ids[:5]], mx.uint32), cache=short),
+                model.module(mx.array([ids], mx.uint32), cache=long),
+                model.module(mx.array([ids[: stepwise.MAX_TOKENS + 1]], mx.uint32), cache=long),
+            ]
+            results.append([*outs, *arrays(short), *arrays(long)])
+            mx.eval(results[-1])
+    finally:
+        stepwise.set_enabled(True)
     assert bitwise_equal(*results)
 
 
