@@ -146,7 +146,8 @@ def test_greedy_speculation_on_int4_and_int8_activations_equals_the_target_alone
     target, draft = models
     assert native.runs_int4(target.module)
     # Where a multi-token pass is not bit-exact, int8 x would decode near-ties apart.
-    exact = ROLLBACK[arch] == "trim"
+    # Sliding windows are exact on the native attention op (specmlx.cpu.attention).
+    exact = ROLLBACK[arch] == "trim" or arch in {"gemma3_text", "gpt_oss"}
     assert native.activations() == ("int8" if exact else "float32")
     assert exact or "not bit-exact" in native.describe()
     ids = target.tokenizer.encode(PROMPT)

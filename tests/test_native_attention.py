@@ -155,10 +155,11 @@ def test_everything_else_falls_back_to_mlx_lm():
     causal = mx.arange(100)[None] <= mx.arange(96, 100)[:, None]
     quantized = QuantizedKVCache(group_size=64, bits=8)
     qk, qv = quantized.update_and_fetch(k, v)
+    kept = RotatingKVCache(max_size=512, keep=4)  # mlx-lm's max_kv_size cache
+    kk, kv = kept.update_and_fetch(k, v)
     cases = {
         "array mask": call_both(q, k, v, mask=causal),
-        "sliding window": call_both(q, k, v, cache=RotatingKVCache(max_size=512), mask="causal"),
-        "sinks": call_both(q, k, v, sinks=mx.zeros((12,))),
+        "window with kept positions": call_both(q, kk, kv, cache=kept, mask="causal"),
         "float16": call_both(q.astype(mx.float16), k.astype(mx.float16), v.astype(mx.float16)),
         "head size 72": call_both(*qkv(1, 2, 6, 1, 100, 72)),
         "more rows than keys": call_both(*qkv(1, 2, 6, 9, 4, 64), mask="causal"),
@@ -207,9 +208,9 @@ class CountingExt:
     def __init__(self, ext):
         self.ext, self.calls = ext, 0
 
-    def scaled_dot_product_attention(self, *args):
+    def scaled_dot_product_attention(self, *args, **kwargs):
         self.calls += 1
-        return self.ext.scaled_dot_product_attention(*args)
+        return self.ext.scaled_dot_product_attention(*args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self.ext, name)

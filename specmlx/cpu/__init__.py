@@ -81,7 +81,8 @@ def prepare(
         keep = (8,) if use_native and native.available() else ()
         fp32.expand_quantized(module, keep_bits=keep)
     if use_native and native.patch_model(module):
-        native.keep_exact(module, getattr(module, "model_type", type(module).__name__))
+        name = getattr(module, "model_type", type(module).__name__)
+        native.keep_exact(module, name, windows_exact=attention.windows_exact(module))
         if stored:
             native.keep_stored_halves(module, stored)
     if use_native:

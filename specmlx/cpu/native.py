@@ -148,28 +148,33 @@ def set_activations(mode: str) -> None:
     _float32_why = ""
 
 
-def rows_exact(module: nn.Module) -> bool:
+def rows_exact(module: nn.Module, windows_exact: bool = False) -> bool:
     """Whether the model's pass over k tokens gives each position bit for bit what a
     one-token step gives it: where every layer keeps a plain KV cache (global causal
-    attention), or a Mamba-2 state that specmlx.stepwise steps through short passes.
-    Sliding-window attention (its masked multi-token path) and mlx-lm's chunked Mamba-2
-    scan differ in the logits' last bits (bench/row_exactness.py), harmless in float32
-    but enough for int8 x's rounding to carry a near-tie to another greedy token, so that
-    speculation would not decode what the target alone does."""
-    from mlx_lm.models.cache import KVCache, make_prompt_cache
+    attention) or a sliding window that the native attention op runs (`windows_exact`:
+    specmlx.cpu.attention.windows_exact, which imports this module), or a Mamba-2 state
+    that specmlx.stepwise steps through short passes. Sliding windows on mlx-lm's
+    attention (its masked multi-token path) and mlx-lm's chunked Mamba-2 scan differ in
+    the logits' last bits (bench/row_exactness.py), harmless in float32 but enough for
+    int8 x's rounding to carry a near-tie to another greedy token, so that speculation
+    would not decode what the target alone does."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
     from .. import stepwise
     from ..caches import layers
 
-    kv_only = all(type(c) is KVCache for c in layers(make_prompt_cache(module)))
-    return kv_only or stepwise.stepped(module)
+    caches = layers(make_prompt_cache(module))
+    kv_only = all(type(c) is KVCache for c in caches)
+    windows = windows_exact and all(type(c) in (KVCache, RotatingKVCache) for c in caches)
+    return kv_only or windows or stepwise.stepped(module)
 
 
-def keep_exact(module: nn.Module, name: str) -> None:
+def keep_exact(module: nn.Module, name: str, windows_exact: bool = False) -> None:
     """Put the kernel on float32 x for good in this process where int8 x would make
-    `module` (called `name` in the stats) decode differently speculating and alone."""
+    `module` (called `name` in the stats) decode differently speculating and alone
+    (`windows_exact`: see rows_exact)."""
     global _float32_why
-    if activations() == "int8" and not rows_exact(module):
+    if activations() == "int8" and not rows_exact(module, windows_exact):
         set_activations("float32")
         _float32_why = f"{name}'s multi-token passes are not bit-exact"
 

@@ -5,11 +5,14 @@
 // pass over its values does the same. Figures: README.md.
 //
 // Row independence, bitwise: a query row's scores, exps, sum and output are computed by
-// the same operations in the same order whatever rows run with it, how many threads run
-// and how long the cache buffer is: blocks of keys start at key 0, a row stops at its own
-// last key (masked slots of a block get -inf, whose exp is exactly 0, and the value pass
-// never reads them), and the sum over lanes is a fixed tree. So a verify pass over k rows
-// gives each row the bits a one-row decode step gives it.
+// the same operations in the same order whatever rows run with it, how many threads run,
+// how long the cache buffer is and which slots its keys sit in. A row's keys are taken by
+// position, not slot: blocks of keys start at positions that are multiples of 16, a row
+// runs from the block of its first key to its own last key (slots of a block outside its
+// range get -inf, whose exp is exactly 0, and the value pass never reads them), and the
+// sum over lanes is a fixed tree. So a verify pass over k rows gives each row the bits a
+// one-row decode step gives it, on a sliding window's ring buffer too (rotated in one,
+// in time order in the other).
 #include "attention.h"
 
 #include <immintrin.h>
@@ -48,11 +51,33 @@ struct Call {
   const float* k;  // strides below, in floats; the D axis is contiguous
   const float* v;
   float* out;  // (B, Hq, Lq, D)
+  const float* sinks;  // (Hq,) or null
   int B, Hq, Hkv, Lq, Lk, D;
   int64_t ksb, ksh, ksl, vsb, vsh, vsl;
   float scale;
   bool causal;
+  int window;  // 0: none
+  int64_t key_start;  // the position of the oldest key, in slot `rotation`
+  int rotation;
+
+  // The positions query row i (0 <= i < Lq) reads: [first, last].
+  std::pair<int64_t, int64_t> range(int i) const {
+    if (!causal) {
+      return {key_start, key_start + Lk - 1};
+    }
+    const int64_t last = key_start + Lk - Lq + i;
+    return {window > 0 ? std::max(key_start, last - window + 1) : key_start, last};
+  }
+  // The slot of position p (key_start <= p < key_start + Lk).
+  int slot(int64_t p) const {
+    const int64_t j = p - key_start + rotation;
+    return int(j < Lk ? j : j - Lk);
+  }
 };
+
+int64_t block_floor(int64_t p, int block) {
+  return p / block * block;  // positions are >= 0
+}
 
 // ---- AVX-512 ----
 
@@ -107,20 +132,22 @@ SPECMLX_AVX512 void scores_avx512(const float* const* q, const float* k, int64_t
   }
 }
 
-// s (n floats, a multiple of 16) := exp(s - max s); returns the sum.
-SPECMLX_AVX512 float exp_row_avx512(float* s, int n) {
+// s (n floats, a multiple of 16) := exp(s - top), top = max(max s, sink); returns the sum
+// plus exp(sink - top): a sink (-inf where there is none) joins the denominator only.
+SPECMLX_AVX512 float exp_row_avx512(float* s, int n, float sink) {
   __m512 m = _mm512_set1_ps(-INFINITY);
   for (int i = 0; i < n; i += 16) {
     m = _mm512_max_ps(m, _mm512_loadu_ps(s + i));
   }
-  const __m512 top = _mm512_set1_ps(lanes_max(m));
+  const float peak = std::max(lanes_max(m), sink);
+  const __m512 top = _mm512_set1_ps(peak);
   __m512 sum = _mm512_setzero_ps();
   for (int i = 0; i < n; i += 16) {
     const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(s + i), top));
     _mm512_storeu_ps(s + i, e);
     sum = _mm512_add_ps(sum, e);
   }
-  return lanes_sum(sum);
+  return lanes_sum(sum) + std::exp(sink - peak);
 }
 
 // acc[0, 16 NC) += sum over j < count of p[j] * v_j[0, 16 NC), v_j = v + j * ldv, in j
@@ -196,19 +223,20 @@ SPECMLX_AVX2 void scores_avx2(const float* const* q, const float* k, int64_t ldk
   }
 }
 
-SPECMLX_AVX2 float exp_row_avx2(float* s, int n) {
+SPECMLX_AVX2 float exp_row_avx2(float* s, int n, float sink) {
   __m256 m = _mm256_set1_ps(-INFINITY);
   for (int i = 0; i < n; i += 8) {
     m = _mm256_max_ps(m, _mm256_loadu_ps(s + i));
   }
-  const __m256 top = _mm256_set1_ps(lanes_max(m));
+  const float peak = std::max(lanes_max(m), sink);
+  const __m256 top = _mm256_set1_ps(peak);
   __m256 sum = _mm256_setzero_ps();
   for (int i = 0; i < n; i += 8) {
     const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + i), top));
     _mm256_storeu_ps(s + i, e);
     sum = _mm256_add_ps(sum, e);
   }
-  return lanes_sum(sum);
+  return lanes_sum(sum) + std::exp(sink - peak);
 }
 
 template <int NC>
@@ -254,9 +282,9 @@ void scores_scalar(const float* const* q, const float* k, int64_t ldk, int D, fl
   }
 }
 
-float exp_row_scalar(float* s, int n) {
-  const float top = *std::max_element(s, s + n);
-  double sum = 0.0;
+float exp_row_scalar(float* s, int n, float sink) {
+  const float top = std::max(*std::max_element(s, s + n), sink);
+  double sum = std::exp(sink - top);
   for (int i = 0; i < n; ++i) {
     s[i] = std::exp(s[i] - top);
     sum += s[i];
@@ -275,7 +303,7 @@ void values_scalar(const float* p, int count, const float* v, int64_t ldv, int D
 struct Kernels {
   int rows;  // query rows per scores call
   void (*scores)(const float* const*, const float*, int64_t, int, float* const*);
-  float (*exp_row)(float*, int);
+  float (*exp_row)(float*, int, float);
   void (*values)(const float*, int, const float*, int64_t, int, float*);
 };
 
@@ -303,13 +331,24 @@ float* scratch(std::unique_ptr<float[]>& buf, size_t& cap, size_t n) {
 // Rows [r0, r1) of one tile: the query rows that read KV head `kvh` of batch `b`, ordered
 // (GQA head, query position). Three passes over the tile's rows: scores block by block
 // (each block of keys read from memory once for all rows), exp and sum per row, then values
-// block by block.
+// block by block. Blocks cover positions [16 m, 16 m + 16): a row's scores sit at the same
+// lanes whichever rows share its tile and wherever its keys sit in the buffer.
 void attend(const Kernels& kern, const Call& c, int tile, int r0, int r1) {
   thread_local std::unique_ptr<float[]> buf;
   thread_local size_t cap = 0;
   const int b = tile / c.Hkv, kvh = tile % c.Hkv, group = c.Hq / c.Hkv, D = c.D;
   const int rows = r1 - r0;
-  const int lds = (c.Lk + kBlock - 1) / kBlock * kBlock;
+  auto row_index = [&](int r) {  // (b, head, i) of the tile's row r, as a row of q and out
+    const int head = kvh * group + r / c.Lq, i = r % c.Lq;
+    return (size_t(b) * c.Hq + head) * c.Lq + i;
+  };
+  int64_t lowest = INT64_MAX, highest = -1;
+  for (int r = r0; r < r1; ++r) {
+    const auto [lo, hi] = c.range(r % c.Lq);
+    lowest = std::min(lowest, lo), highest = std::max(highest, hi);
+  }
+  const int64_t first = block_floor(lowest, kBlock);  // the position of the scores' slot 0
+  const int lds = int(block_floor(highest - first + kBlock, kBlock));
   float* qs = scratch(buf, cap, size_t(rows) * (2 * D + lds + 1) + kBlock * D);
   float* acc = qs + size_t(rows) * D;
   float* s = acc + size_t(rows) * D;
@@ -317,13 +356,8 @@ void attend(const Kernels& kern, const Call& c, int tile, int r0, int r1) {
   float* kpad = inv + rows;
   const float* kb = c.k + b * c.ksb + kvh * c.ksh;
   const float* vb = c.v + b * c.vsb + kvh * c.vsh;
+  const int64_t end = c.key_start + c.Lk;  // past the newest key's position
 
-  auto row_index = [&](int r) {  // (b, head, i) of the tile's row r, as a row of q and out
-    const int head = kvh * group + r / c.Lq, i = r % c.Lq;
-    return (size_t(b) * c.Hq + head) * c.Lq + i;
-  };
-  auto keys_of = [&](int r) { return c.causal ? c.Lk - c.Lq + r % c.Lq + 1 : c.Lk; };
-  int most = 0;
   for (int r = r0; r < r1; ++r) {
     const float* q = c.q + row_index(r) * D;
     float* qr = qs + size_t(r - r0) * D;
@@ -331,16 +365,18 @@ void attend(const Kernels& kern, const Call& c, int tile, int r0, int r1) {
       qr[d] = q[d] * c.scale;
     }
     std::fill(acc + size_t(r - r0) * D, acc + size_t(r - r0 + 1) * D, 0.0f);
-    most = std::max(most, keys_of(r));
   }
 
-  for (int j0 = 0; j0 < most; j0 += kBlock) {
-    const float* kj = kb + j0 * c.ksl;
+  for (int64_t j0 = first; j0 <= highest; j0 += kBlock) {
+    const float* kj = nullptr;
     int64_t ldk = c.ksl;
-    if (j0 + kBlock > c.Lk) {  // the cache's last keys, padded with zeros to a block
+    if (j0 >= c.key_start && j0 + kBlock <= end && c.slot(j0) + kBlock <= c.Lk) {
+      kj = kb + c.slot(j0) * c.ksl;
+    } else {  // a block past either end of the keys, or across the ring's seam: copied
       std::fill(kpad, kpad + kBlock * D, 0.0f);
-      for (int j = j0; j < c.Lk; ++j) {
-        std::copy(kb + j * c.ksl, kb + j * c.ksl + D, kpad + (j - j0) * D);
+      for (int64_t p = std::max(j0, c.key_start); p < std::min(j0 + kBlock, end); ++p) {
+        const float* key = kb + c.slot(p) * c.ksl;
+        std::copy(key, key + D, kpad + (p - j0) * D);
       }
       kj = kpad;
       ldk = D;
@@ -352,32 +388,43 @@ void attend(const Kernels& kern, const Call& c, int tile, int r0, int r1) {
       for (int i = 0; i < kern.rows; ++i) {
         // A short last group repeats its last row: the same bits to the same place.
         const int r = std::min(g + i, r1 - 1);
+        const auto [lo, hi] = c.range(r % c.Lq);
         qp[i] = qs + size_t(r - r0) * D;
-        sp[i] = s + size_t(r - r0) * lds + j0;
-        needed |= j0 < keys_of(r);
+        sp[i] = s + size_t(r - r0) * lds + (j0 - first);
+        needed |= j0 <= hi && j0 + kBlock > lo;
       }
       if (needed) {
         kern.scores(qp, kj, ldk, D, sp);
       }
     }
-    for (int r = r0; r < r1; ++r) {  // a row's keys past its own last one weigh nothing
-      float* sr = s + size_t(r - r0) * lds + j0;
-      for (int j = std::clamp(keys_of(r) - j0, 0, kBlock); j < kBlock; ++j) {
-        sr[j] = -INFINITY;
+    for (int r = r0; r < r1; ++r) {  // keys outside a row's range weigh nothing
+      const auto [lo, hi] = c.range(r % c.Lq);
+      float* sr = s + size_t(r - r0) * lds + (j0 - first);
+      for (int j = 0; j < kBlock; ++j) {
+        if (j0 + j < lo || j0 + j > hi) {
+          sr[j] = -INFINITY;
+        }
       }
     }
   }
 
   for (int r = r0; r < r1; ++r) {
-    const int padded = (keys_of(r) + kBlock - 1) / kBlock * kBlock;
-    inv[r - r0] = 1.0f / kern.exp_row(s + size_t(r - r0) * lds, padded);
+    const auto [lo, hi] = c.range(r % c.Lq);
+    const int64_t from = block_floor(lo, kBlock);
+    const int n = int(block_floor(hi - from + kBlock, kBlock));
+    const float sink = c.sinks ? c.sinks[kvh * group + (r / c.Lq)] : -INFINITY;
+    inv[r - r0] = 1.0f / kern.exp_row(s + size_t(r - r0) * lds + (from - first), n, sink);
   }
 
-  for (int j0 = 0; j0 < most; j0 += kValueBlock) {
+  for (int64_t j0 = first; j0 <= highest; j0 += kValueBlock) {
     for (int r = r0; r < r1; ++r) {
-      const int count = std::min(keys_of(r), j0 + kValueBlock) - j0;
-      if (count > 0) {
-        kern.values(s + size_t(r - r0) * lds + j0, count, vb + j0 * c.vsl, c.vsl, D, acc + size_t(r - r0) * D);
+      const auto [lo, hi] = c.range(r % c.Lq);
+      const float* sr = s + size_t(r - r0) * lds - first;  // indexed by position
+      // The row's keys of this block in position order, in runs of consecutive slots.
+      for (int64_t p = std::max(j0, lo), stop = std::min(j0 + kValueBlock, hi + 1); p < stop;) {
+        const int j = c.slot(p), count = int(std::min<int64_t>(stop - p, c.Lk - j));
+        kern.values(sr + p, count, vb + j * c.vsl, c.vsl, D, acc + size_t(r - r0) * D);
+        p += count;
       }
     }
   }
@@ -395,12 +442,15 @@ void run(const Call& c) {
   const Kernels kern = kernels_for(active_isa());
   auto& pool = ThreadPool::instance();
   const int tiles = c.B * c.Hkv, rows = c.Hq / c.Hkv * c.Lq;
-  const size_t work = size_t(c.B) * c.Hq * c.Lq * c.Lk * c.D * 2;
+  // Rows' ranges move up with their position: row 0 starts lowest, row Lq - 1 ends highest.
+  const size_t span = size_t(c.range(c.Lq - 1).second - c.range(0).first + 1);
+  const size_t per_row = c.causal && c.window > 0 ? std::min<size_t>(span, c.window) : span;
+  const size_t work = size_t(c.B) * c.Hq * c.Lq * per_row * c.D * 2;
   const int n_threads = int(std::clamp<size_t>(work / kMinWorkPerThread, 1, pool.size()));
   // With fewer tiles than threads, a tile's rows are split, and so are those of a long
   // prefill chunk whose scores would not fit kMaxScores: every row still computes the same
   // bits, whichever part it falls in.
-  const size_t lds = (c.Lk + kBlock - 1) / kBlock * kBlock;
+  const size_t lds = span + 2 * kBlock;
   const int parts = std::min<size_t>(
       rows, std::max<size_t>((n_threads + tiles - 1) / tiles, (rows * lds + kMaxScores - 1) / kMaxScores));
   const int items = tiles * parts;
@@ -440,6 +490,10 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   encoder.set_input_array(q);
   encoder.set_input_array(k);
   encoder.set_input_array(v);
+  const bool has_sinks = inputs.size() > 3;
+  if (has_sinks) {
+    encoder.set_input_array(inputs[3]);
+  }
   encoder.set_output_array(out);
   if (out.size() == 0) {
     return;
@@ -449,6 +503,7 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
       k.data<float>(),
       v.data<float>(),
       out.data<float>(),
+      has_sinks ? inputs[3].data<float>() : nullptr,
       q.shape(0),
       q.shape(1),
       k.shape(1),
@@ -462,7 +517,10 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
       v.strides()[1],
       v.strides()[2],
       scale_,
-      causal_};
+      causal_,
+      window_,
+      key_start_,
+      rotation_};
   // q is row-contiguous (the op made it so); k and v are read in place through their
   // strides unless their D axis is not contiguous. MLX keeps the buffers alive until the
   // stream has run this task.
@@ -490,7 +548,8 @@ void Attention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 
 bool Attention::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const Attention&>(other);
-  return scale_ == o.scale_ && causal_ == o.causal_;
+  return scale_ == o.scale_ && causal_ == o.causal_ && window_ == o.window_ && key_start_ == o.key_start_ &&
+      rotation_ == o.rotation_;
 }
 
 mx::array scaled_dot_product_attention(
@@ -499,6 +558,10 @@ mx::array scaled_dot_product_attention(
     const mx::array& v,
     float scale,
     bool causal,
+    const std::optional<mx::array>& sinks,
+    int window,
+    int64_t key_start,
+    int rotation,
     mx::StreamOrDevice s) {
   const auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu) {
@@ -520,8 +583,22 @@ mx::array scaled_dot_product_attention(
   if (k.shape(2) == 0 || (causal && q.shape(2) > k.shape(2))) {
     throw std::invalid_argument("[specmlx] attention needs at least one key for every query row");
   }
+  if (window < 0 || (window > 0 && !causal) || key_start < 0 || rotation < 0 || rotation >= k.shape(2)) {
+    throw std::invalid_argument(
+        "[specmlx] attention: window >= 0 (causal only), key_start >= 0 and 0 <= rotation < Lk");
+  }
+  std::vector<mx::array> inputs = {mx::contiguous(q, false, stream), k, v};
+  if (sinks) {
+    if (sinks->dtype() != mx::float32 || sinks->ndim() != 1 || sinks->shape(0) != q.shape(1)) {
+      throw std::invalid_argument("[specmlx] attention takes float32 sinks of shape (Hq,)");
+    }
+    inputs.push_back(mx::contiguous(*sinks, false, stream));
+  }
   return mx::array(
-      q.shape(), mx::float32, std::make_shared<Attention>(stream, scale, causal), {mx::contiguous(q, false, stream), k, v});
+      q.shape(),
+      mx::float32,
+      std::make_shared<Attention>(stream, scale, causal, window, key_start, rotation),
+      std::move(inputs));
 }
 
 } // namespace specmlx

@@ -2,6 +2,8 @@
 // shapes on the CPU, out = softmax(q k^T scale + mask) v.
 #pragma once
 
+#include <optional>
+
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
 
@@ -14,22 +16,37 @@ constexpr int kHeadDimStep = 16;
 constexpr int kMaxHeadDim = 512;
 
 // q: (B, Hq, Lq, D); k, v: (B, Hkv, Lk, D), all float32, Hq a multiple of Hkv (GQA).
-// causal: query row i sees keys 0 .. Lk - Lq + i (needs Lq <= Lk); otherwise every key.
-// k and v may be strided views (a KV cache's `[..., :offset, :]`): read in place. Each
-// query row's result depends on that row, its keys and values alone, bit for bit: not on
-// Lq, the rows beside it or the thread count. Returns (B, Hq, Lq, D). CPU streams only.
+// Positions: key slot j holds position key_start + (j - rotation) mod Lk (a sliding
+// window's ring buffer hands its keys rotated; a plain cache has key_start = rotation = 0)
+// and query row i is position key_start + Lk - Lq + i (the newest ones). causal: row i
+// sees the keys at positions up to its own, and with window > 0 only those above its
+// position - window; otherwise every key. A row's keys are taken in position order
+// whatever slots they sit in. sinks (Hq,), optional: a per-head logit that joins the
+// softmax's denominator only. k and v may be strided views (a KV cache's
+// `[..., :offset, :]`): read in place. Each query row's result depends on that row, its
+// positions, keys and values alone, bit for bit: not on Lq, the rows beside it, the slots
+// its keys sit in or the thread count. Returns (B, Hq, Lq, D). CPU streams only.
 mx::array scaled_dot_product_attention(
     const mx::array& q,
     const mx::array& k,
     const mx::array& v,
     float scale,
     bool causal,
+    const std::optional<mx::array>& sinks = std::nullopt,
+    int window = 0,
+    int64_t key_start = 0,
+    int rotation = 0,
     mx::StreamOrDevice s = {});
 
 class Attention : public mx::UnaryPrimitive {
  public:
-  Attention(mx::Stream stream, float scale, bool causal)
-      : mx::UnaryPrimitive(stream), scale_(scale), causal_(causal) {}
+  Attention(mx::Stream stream, float scale, bool causal, int window, int64_t key_start, int rotation)
+      : mx::UnaryPrimitive(stream),
+        scale_(scale),
+        causal_(causal),
+        window_(window),
+        key_start_(key_start),
+        rotation_(rotation) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
@@ -45,6 +62,9 @@ class Attention : public mx::UnaryPrimitive {
  private:
   float scale_;
   bool causal_;
+  int window_;
+  int64_t key_start_;
+  int rotation_;
 };
 
 } // namespace specmlx

@@ -49,14 +49,27 @@ NB_MODULE(_ext, m) {
          const specmlx::mx::array& k,
          const specmlx::mx::array& v,
          float scale,
-         bool causal) { return specmlx::scaled_dot_product_attention(q, k, v, scale, causal); },
+         bool causal,
+         const std::optional<specmlx::mx::array>& sinks,
+         int window,
+         int64_t key_start,
+         int rotation) {
+        return specmlx::scaled_dot_product_attention(q, k, v, scale, causal, sinks, window, key_start, rotation);
+      },
       "q"_a,
       "k"_a,
       "v"_a,
       "scale"_a,
       "causal"_a = false,
+      "sinks"_a = nb::none(),
+      "window"_a = 0,
+      "key_start"_a = 0,
+      "rotation"_a = 0,
       "softmax(q @ k.T * scale (+ causal mask)) @ v for float32 (B, H, L, D), GQA, on the "
-      "default CPU stream; each query row's bits independent of the rows beside it.");
+      "default CPU stream; each query row's bits independent of the rows beside it. Key slot "
+      "j holds position key_start + (j - rotation) mod Lk, the queries the newest ones; "
+      "window > 0 limits a causal row to the last `window` positions; sinks (Hq,) join "
+      "the softmax's denominator.");
   m.def(
       "map_tensors",
       &specmlx::map_tensors,
