@@ -62,7 +62,8 @@ def prepare(
     """Make a freshly built model (floating parameters already cast) ready for the CPU:
     choose its weights mode, expand INT4 to float32 in the fp32 mode, and with
     `use_native` route the layers left quantized through the native kernel, and attention
-    through the native op (specmlx.cpu.attention). `stored`: the
+    through the native op (specmlx.cpu.attention), and compile its norms, RoPE and MLPs
+    (specmlx.compiled). `stored`: the
     parameters before the cast (by path); the kernel's layers get their fp16/bf16 scales,
     biases and bias back from it, used in place (see native.keep_stored_halves).
 
@@ -73,6 +74,7 @@ def prepare(
         raise SpecmlxError(
             f"unknown CPU weights mode {cpu_weights!r}; use one of {', '.join(CPU_WEIGHTS)}"
         )
+    from .. import compiled
     from . import attention, fp32, native
 
     mode, why = fp32.pick_cpu_weights(module, cpu_weights, backend, use_native)
@@ -87,4 +89,5 @@ def prepare(
             native.keep_stored_halves(module, stored)
     if use_native:
         attention.patch_model(module)
+        compiled.patch_model(module)
     return mode, why
