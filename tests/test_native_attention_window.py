@@ -99,13 +99,15 @@ def test_sinks_on_a_full_cache_equal_mlx_lm(isas):
 # (passes before the verify pass, shape (KV heads, GQA ratio, head size, window)): before
 # the buffer fills, a first chunk longer than the window, a ring that has wrapped (its
 # newest key mid-buffer), right after a verify pass (time order, longer than the window),
-# and at Qwen-like sizes where two threads share a pass.
+# and at sizes where two threads share a pass: a KV head each, or one KV head's rows cut
+# in two parts.
 CONTEXTS = [
     ([10], (2, 3, 64, WINDOW)),
     ([60], (2, 3, 64, WINDOW)),
     ([30] + [1] * 25, (2, 3, 64, WINDOW)),
     ([30] + [1] * 20 + [5], (1, 4, 16, WINDOW)),
     ([300] + [1] * 37, (2, 6, 128, 256)),
+    ([300] + [1] * 37, (1, 8, 128, 256)),
 ]
 
 
