@@ -6,17 +6,18 @@ Compiled, a module's elementwise chains fuse into one generated kernel each, and
 trace is replayed instead of being rebuilt op by op (bench/results/compile_cpu.md).
 
 Only modules whose inputs keep their shapes from step to step are compiled, so a trace
-serves every step: RMSNorm and MLP on (batch, tokens, features), RoPE on (batch, heads,
-tokens, head dim) with its offset passed as an array (an int would be a constant of the
-trace: a new trace each step), and only for passes of at most MAX_TOKENS tokens (decode
-steps and verify passes; a prefill's chunk lengths vary, and it is run as it was).
-Attention and the KV caches stay outside: each step sees a new cache length, which would
-retrace the whole pass.
+serves every step: RMSNorms (MLX's, or an architecture's own of one weight) and dense
+MLPs on (batch, tokens, features), RoPE on (batch, heads, tokens, head dim) with its
+offset passed as an array (an int would be a constant of the trace: a new trace each
+step), and only for passes of at most MAX_TOKENS tokens (decode steps and verify passes;
+a prefill's chunk lengths vary, and it runs as it did). Attention and the KV caches stay
+outside: each step sees a new cache length, which would retrace the whole pass.
 
 The compiled modules compute what the uncompiled ones do, rounding included, on x86-64
-(tests/test_compiled.py): MLX's kernels are built by `g++ -O3` without -march, so no
-multiply-add is contracted. Either way the choice depends only on the pass's length, the
-same in a verify pass and a plain step, so a verify row still equals its plain step.
+(tests/test_compiled.py): MLX builds its kernels with `g++ -O3` and no -march, so no
+multiply and add are contracted. Wherever that differs, every decode step and verify
+pass still runs compiled alike, and a compiled pass's rows equal compiled one-token
+steps', so a verify row still equals its plain step.
 
 MLX compiles each new fused kernel with the system's C++ compiler the first time it is
 met (cached under $TMPDIR/mlx); without a compiler it runs the ops unfused, same results.
@@ -25,6 +26,7 @@ SPECMLX_COMPILE=1 (default) or 0, read once at import; `set_enabled` switches it
 
 from __future__ import annotations
 
+import inspect
 import os
 from functools import partial
 
@@ -102,6 +104,19 @@ def _rope(module: nn.RoPE):
     return call
 
 
+def _norm(module: nn.Module) -> bool:
+    """nn.RMSNorm, or an architecture's own RMSNorm (Gemma's scales by 1 + weight): one
+    weight, no children, called on x alone."""
+    cls = type(module)
+    if cls is nn.RMSNorm:
+        return True
+    return (
+        cls.__name__ == "RMSNorm"
+        and set(module) == {"weight"}
+        and list(inspect.signature(cls.__call__).parameters) == ["self", "x"]
+    )
+
+
 def _dense_mlp(module: nn.Module) -> bool:
     children = module.children()
     return set(children) == DENSE_MLP and all(
@@ -121,8 +136,8 @@ def patch_model(module: nn.Module) -> int:
         cls = type(layer)
         if isinstance(layer, _CompiledModule):
             continue
-        if cls is nn.RMSNorm:
-            _swap(layer, 3, mx.compile(partial(nn.RMSNorm.__call__, layer)))
+        if _norm(layer):
+            _swap(layer, 3, mx.compile(partial(cls.__call__, layer)))
         elif cls is nn.RoPE:
             _swap(layer, 4, _rope(layer))
         elif _dense_mlp(layer):

@@ -4,13 +4,15 @@ which passes take them, that they change no bit here, and that speculation stays
 import platform
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
 import specmlx
 from specmlx import compiled
-from specmlx.caches import make_cache, prefill, trim
+from specmlx.caches import checkpoint, make_cache, prefill, rewind, trim
 from specmlx.errors import SpecmlxError
+from specmlx.tiny import build_tiny_model
 
 PROMPT = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):"
 # MLX builds its fused CPU kernels with `g++ -O3` and no -march: on x86-64 nothing is
@@ -30,9 +32,10 @@ def logits(model, cache, tokens: list[int], on: bool) -> mx.array:
     """The model's logits over `tokens` after the cache, compiled or not; the cache is
     left as it was."""
     compiled.set_enabled(on)
+    saved = checkpoint(cache)
     out = model.module(mx.array([tokens], mx.uint32), cache=cache)
     mx.eval(out)
-    trim(cache, len(tokens))
+    rewind(model, cache, saved, [], len(tokens))
     return out
 
 
@@ -55,6 +58,24 @@ def test_loading_compiles_every_norm_rope_and_mlp_and_keeps_the_parameters(name,
         k for k, _ in tree_flatten(reference.module.parameters())
     ]
     assert compiled.patch_model(model.module) == 0  # once is enough
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    """A tiny Gemma 3: its own RMSNorm class (scaled by 1 + weight), sliding windows."""
+    path = build_tiny_model(tmp_path_factory.mktemp("gemma") / "gemma3", arch="gemma3_text")
+    return specmlx.load(path)
+
+
+def test_an_architectures_own_rmsnorm_is_compiled_and_changes_no_bit(gemma, compile_on):
+    norms = [m for m in gemma.module.modules() if type(m).__name__.endswith("RMSNorm")]
+    assert norms and all(isinstance(m, compiled._CompiledModule) for m in norms)
+    assert not isinstance(norms[0], nn.RMSNorm)  # Gemma's own class
+    cache = prefilled(gemma)
+    tokens = [11, 42, 7]
+    on = logits(gemma, cache, tokens, on=True)
+    if X86:
+        assert mx.array_equal(on, logits(gemma, cache, tokens, on=False))
 
 
 def test_only_passes_of_at_most_max_tokens_take_the_compiled_modules(models, compile_on):
