@@ -15,6 +15,7 @@ where MLX must build its kernels with g++.
 
     python bench/compile_cpu.py
     python bench/compile_cpu.py --repeat 21 --json out.json
+    python bench/compile_cpu.py --probes   # dispatch of no-op ops; MLX without a compiler
 """
 
 from __future__ import annotations
@@ -36,12 +37,13 @@ from mlx_lm.models.cache import KVCache
 
 import specmlx
 from specmlx import compiled
-from specmlx.caches import make_cache, prefill, trim
+from specmlx.caches import checkpoint, make_cache, prefill, rewind, trim
 from specmlx.cpu import describe, native
 
 MODELS = Path.home() / ".cache/specmlx/models"
 TARGET = MODELS / "qwen2.5-coder-1.5b-instruct-int4"
 DRAFT = MODELS / "qwen2.5-coder-0.5b-instruct-int4"
+EXTRA = MODELS / "gemma3-270m-int4"  # sliding windows: eager and modules only
 TOKENS = [1000, 2000, 3000, 4000, 5000, 6000, 7000, 8000]
 PROMPT = "def quicksort(items):\n    "
 
@@ -52,15 +54,17 @@ def cpu_name() -> str:
     return f"{fields.get('Model name', '?').strip()} ({fields.get('CPU(s)', '?').strip()} CPUs)"
 
 
-def step_ops(module, cache: list) -> dict[str, int]:
+def step_ops(model, cache: list) -> dict[str, int]:
     """The primitives of a one-token step's graph, by kind (MLX's dot export of it)."""
+    module = model.module
+    saved = checkpoint(cache)
     out = module(mx.array([TOKENS[:1]], mx.uint32), cache=cache)
     with tempfile.TemporaryDirectory() as tmp:
         dot = Path(tmp) / "step.dot"
         mx.export_to_dot(str(dot), out)
         kinds = Counter(re.findall(r'label ="?([A-Za-z]+)', dot.read_text()))
     mx.eval(out)
-    trim(cache, 1)
+    rewind(model, cache, saved, [], 1)
     return dict(kinds.most_common())
 
 
@@ -136,58 +140,61 @@ def fixed_pass(module):
     return forward
 
 
-def passes(module) -> dict:
-    """Each variant as forward(x, cache) -> logits; `fixed` leaves the cache as it was."""
+def passes(module, cache: list) -> dict:
+    """Each variant as forward(x, cache) -> logits; `fixed` leaves the cache as it was.
+    The whole-pass variants take plain KVCaches only (no sliding windows)."""
 
     def eager(x, cache):
         return module(x, cache=cache)
 
-    return {
-        "eager": eager,
-        "modules": eager,
-        "fixed": fixed_pass(module),
-        "whole": whole_pass(module),
-    }
+    variants = {"eager": eager, "modules": eager}
+    if all(type(c) is KVCache for c in cache):
+        variants.update(fixed=fixed_pass(module), whole=whole_pass(module))
+    return variants
 
 
-def run_pass(name: str, forward, x: mx.array, cache: list) -> mx.array:
+def run_pass(model, name: str, forward, x: mx.array, cache: list) -> mx.array:
     compiled.set_enabled(name == "modules")
+    saved = checkpoint(cache)
     logits = forward(x, cache)
     mx.eval(logits)
     if name != "fixed":
-        trim(cache, x.shape[1])
+        rewind(model, cache, saved, [], x.shape[1])
     return logits
 
 
-def time_passes(module, cache: list, k: int, repeat: int) -> dict[str, float]:
+def time_passes(model, cache: list, k: int, repeat: int) -> dict[str, float]:
     """Median ms of each variant's k-token pass, the variants interleaved."""
     x = mx.array([TOKENS[:k]], mx.uint32)
-    variants = passes(module)
+    variants = passes(model.module, cache)
     samples = {name: [] for name in variants}
     for name, forward in variants.items():  # the first pass of each traces (and builds)
-        run_pass(name, forward, x, cache)
+        run_pass(model, name, forward, x, cache)
     for _ in range(repeat):
         for name, forward in variants.items():
             start = time.perf_counter()
-            run_pass(name, forward, x, cache)
+            run_pass(model, name, forward, x, cache)
             samples[name].append(time.perf_counter() - start)
     return {name: round(median(s) * 1e3, 2) for name, s in samples.items()}
 
 
-def exactness(module, cache: list, k: int = 4) -> dict[str, float]:
+def exactness(model, cache: list, k: int = 4) -> dict[str, float]:
     """Max |difference| of logits: each compiled variant against eager, and a k-token
     pass against k one-token steps of the same variant (0 where rows are exact)."""
     x = mx.array([TOKENS[:k]], mx.uint32)
-    variants = passes(module)
-    eager = run_pass("eager", variants["eager"], x, cache)
+    variants = passes(model.module, cache)
+    eager = run_pass(model, "eager", variants["eager"], x, cache)
     out = {}
     for name in ("modules", "whole"):
+        if name not in variants:
+            continue
         forward = variants[name]
-        full = run_pass(name, forward, x, cache)
+        full = run_pass(model, name, forward, x, cache)
         compiled.set_enabled(name == "modules")
+        saved = checkpoint(cache)
         steps = [forward(x[:, i : i + 1], cache) for i in range(k)]
         mx.eval(steps)
-        trim(cache, k)
+        rewind(model, cache, saved, [], k)
         out[f"{name} vs eager"] = mx.abs(full - eager).max().item()
         out[f"{name}: pass vs steps"] = mx.abs(full - mx.concatenate(steps, axis=1)).max().item()
         out[f"{name}: same argmax as eager"] = bool(
@@ -204,18 +211,18 @@ def measure_model(path: Path, ks: list[int], context: int, repeat: int) -> dict:
     cache = make_cache(module)
     prefill(model, cache, [t % 1000 + 100 for t in range(context)])
     compiled.set_enabled(False)
-    ops = {"eager": step_ops(module, cache)}
+    ops = {"eager": step_ops(model, cache)}
     compiled.set_enabled(True)
-    ops["modules"] = step_ops(module, cache)
+    ops["modules"] = step_ops(model, cache)
     result = {
         "model": path.name,
         "ops per step": {name: sum(kinds.values()) for name, kinds in ops.items()},
-        "op kinds, eager": ops["eager"],
-        "exactness": exactness(module, cache),
+        "op kinds": ops,
+        "exactness": exactness(model, cache),
         "ms": {},
     }
     for k in ks:
-        result["ms"][k] = time_passes(module, cache, k, repeat)
+        result["ms"][k] = time_passes(model, cache, k, repeat)
         print(path.name, k, result["ms"][k], flush=True)
     return result
 
@@ -309,21 +316,68 @@ def cold_probe(target_path: Path) -> None:
     print(json.dumps(times))
 
 
+def noop_contiguous_ms(count: int, repeat: int) -> float:
+    """Median ms of one graph of `count` mx.contiguous ops on arrays already contiguous
+    and evaluated (what each INT4 matmul's wrapper adds four of): pure dispatch."""
+    arrays = [mx.random.normal((64,)) for _ in range(count)]
+    mx.eval(arrays)
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        mx.eval([mx.contiguous(a) for a in arrays])
+        samples.append(time.perf_counter() - start)
+    return round(median(samples) * 1e3, 2)
+
+
+def without_compiler() -> dict:
+    """A compiled function in a child process whose PATH has no C++ compiler and whose
+    kernel cache dir is empty: its result against the same ops uncompiled, and how many
+    kernels MLX built."""
+    code = (
+        "import mlx.core as mx; x = mx.linspace(-1, 1, 1000); "
+        "f = lambda x: mx.arctan(mx.cosh(x)) * mx.erf(x) - mx.log1p(x + 2); "
+        "print(mx.array_equal(mx.compile(f)(x), f(x)).item())"
+    )
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as bare:
+        env = dict(os.environ, TMPDIR=tmp, PATH=bare)
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        built = len(list(Path(tmp).rglob("*.so")))
+    return {
+        "rc": run.returncode,
+        "equal": run.stdout.strip(),
+        "stderr": run.stderr.strip(),
+        "kernels built": built,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", type=Path, default=TARGET)
     ap.add_argument("--draft", type=Path, default=DRAFT)
+    ap.add_argument("--extra", type=Path, nargs="*", default=[EXTRA] if EXTRA.exists() else [])
     ap.add_argument("--context", type=int, default=300, help="tokens already in the caches")
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=32, help="tokens per generate() run")
     ap.add_argument("--runs", type=int, default=6, help="generate() runs per variant")
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--probes",
+        action="store_true",
+        help="only the dispatch cost of no-op Contiguous ops and a run without a compiler",
+    )
     ap.add_argument("--cold-probe", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     native.set_threads(args.threads)
     if args.cold_probe:
         cold_probe(args.target)
+        return
+    if args.probes:
+        probes = {
+            "788 no-op Contiguous, ms": noop_contiguous_ms(788, args.repeat),
+            "a compiled function without a C++ compiler": without_compiler(),
+        }
+        print(json.dumps(probes, indent=1))
         return
     report = {
         "cpu": cpu_name(),
@@ -333,6 +387,7 @@ def main() -> None:
         "repeat": args.repeat,
         "target": measure_model(args.target, [1, 2, 4, 8], args.context, args.repeat),
         "draft": measure_model(args.draft, [1], args.context, args.repeat),
+        "extra": [measure_model(p, [1, 4], args.context, args.repeat) for p in args.extra],
     }
     report["pipelined decode, ms/token"] = {
         model.name: pipelined_decode(model, args.context, args.repeat)
