@@ -46,10 +46,11 @@ def __getattr__(name: str):
 
 def describe() -> str:
     """One line for stats, benchmarks and the cost cache's keys: which INT4 matmul runs,
-    and how, and which attention."""
+    and how, which attention, and whether the layers' small modules are compiled."""
+    from .. import compiled
     from . import attention, native
 
-    return f"{native.describe()}; {attention.describe()}"
+    return f"{native.describe()}; {attention.describe()}; {compiled.describe()}"
 
 
 def prepare(
