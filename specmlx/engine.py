@@ -344,11 +344,15 @@ def _decode(
     key, last = mx.random.key(seed), ids[-1]
     decode_start, prompt_s = time.perf_counter(), 0.0
     # A plain round queues the next plain pass before it reads its own token (as mlx-lm's
-    # generate_step does), so Python builds one graph while the CPU computes the other.
-    # Where the next round drafts instead, that pass is trimmed away: only caches that
-    # trim exactly take the bet.
-    pipeline = trims_exactly(cache)
+    # generate_step does), so the device computes one while Python handles the other.
+    # Where the next round drafts instead, that pass is trimmed away, but its work still
+    # runs ahead of the draft's: so the bet is taken only in a run of plain rounds, where
+    # the next is likely plain too, and only by caches that trim exactly. Not on MLX's CPU
+    # backend: there the sync waits for the queued pass as well, so nothing overlaps and
+    # every lost bet was a whole wasted pass (bench/results/README.md, round 12).
+    pipeline = trims_exactly(cache) and backend() != "cpu"
     queued = None  # (logits, probs, token) of a plain pass over `last`, queued
+    was_plain = False  # the round before this one was plain
 
     while stats.tokens < max_tokens:
         key, round_key = mx.random.split(key)
@@ -375,12 +379,15 @@ def _decode(
             if queued is None:
                 queued = _plain_pass(target, cache, draw, mx.array([last], mx.uint32), round_key)
             logits, probs, token = queued
-            queued, n = None, mx.array(0)
-            if pipeline and stats.tokens + 1 < max_tokens:
+            queued, n = None, 0
+            if pipeline and was_plain and stats.tokens + 1 < max_tokens:
                 _, next_key = mx.random.split(key)
                 queued = _plain_pass(target, cache, draw, token, next_key)
-        mx.eval(n, token)  # the one host sync of the round
-        n, token = n.item(), token.item()
+        # The one host sync of the round. Only what was computed before the queued pass:
+        # an array made now would be computed after it, and the sync would wait for both.
+        mx.eval(token) if proposal is None else mx.eval(n, token)
+        n, token = int(n), token.item()
+        was_plain = proposal is None
         t2 = time.perf_counter()
         drafts = proposal.tokens.tolist() if proposal is not None else []
         rerun = rewind(target, cache, saved, [last, *drafts[:n]], len(drafts) - n)
