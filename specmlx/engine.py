@@ -344,13 +344,12 @@ def _decode(
     key, last = mx.random.key(seed), ids[-1]
     decode_start, prompt_s = time.perf_counter(), 0.0
     # A plain round queues the next plain pass before it reads its own token (as mlx-lm's
-    # generate_step does), so the device computes one while Python handles the other.
-    # Where the next round drafts instead, that pass is trimmed away, but its work still
-    # runs ahead of the draft's: so the bet is taken only in a run of plain rounds, where
-    # the next is likely plain too, and only by caches that trim exactly. Not on MLX's CPU
-    # backend: there the sync waits for the queued pass as well, so nothing overlaps and
-    # every lost bet was a whole wasted pass (bench/results/README.md, round 12).
-    pipeline = trims_exactly(cache) and backend() != "cpu"
+    # generate_step does), so the device computes one while Python handles the other
+    # (bench/plain_queue.py). Where the next round drafts instead, that pass is trimmed
+    # away, but its work still runs ahead of the draft's: so the bet is taken only in a
+    # run of plain rounds, where the next is likely plain too, and only by caches that
+    # trim exactly.
+    pipeline = trims_exactly(cache)
     queued = None  # (logits, probs, token) of a plain pass over `last`, queued
     was_plain = False  # the round before this one was plain
 

@@ -413,16 +413,17 @@ def test_plain_decoding_to_an_eos_makes_one_token_per_pass(no_eos, monkeypatch):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_target_alone_pipelined_gives_the_round_loops_tokens(no_eos, monkeypatch, temperature):
-    # Off the CPU, plain rounds queue each next pass before reading their token (as
-    # mlx-lm does); with the same seed they must emit what unpipelined rounds (the CPU's)
-    # emit, and leave the Session's cache as a continuation expects.
+    # Plain rounds queue each next pass before reading their token (as mlx-lm does); with
+    # the same seed they must emit what unpipelined rounds emit, and leave the Session's
+    # cache as a continuation expects.
     from specmlx import engine
 
     target = no_eos["target"]
     run = dict(max_tokens=30, num_draft=0, temperature=temperature, seed=3)
-    unpipelined = specmlx.generate(target, PROMPT, **run).run().tokens
-    monkeypatch.setattr(engine, "backend", lambda: "gpu")  # pipelined, as on a GPU
-    assert specmlx.generate(target, PROMPT, **run).run().tokens == unpipelined
+    pipelined = specmlx.generate(target, PROMPT, **run).run().tokens
+    monkeypatch.setattr(engine, "trims_exactly", lambda cache: False)  # the round loop
+    assert specmlx.generate(target, PROMPT, **run).run().tokens == pipelined
+    monkeypatch.undo()
     session = specmlx.Session(target)
     first = specmlx.generate(target, PROMPT, session=session, **run).run().tokens
     ids = target.tokenizer.encode(PROMPT) + first
