@@ -48,6 +48,17 @@ def isas():
     native.set_activations(mode)
 
 
+@pytest.fixture
+def int8_activations():
+    """The native kernel's default mode, int8 x (the suite runs float32 x: see above)."""
+    if not native.available():
+        pytest.skip(native.reason())
+    before = native.activations()
+    native.set_activations("int8")
+    yield
+    native.set_activations(before)
+
+
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory):
     """Paths of tiny models in the hub's layout: a qwen2 target, drafts for it, a llama."""

@@ -118,17 +118,6 @@ def test_greedy_speculation_equals_mlx_lm_at_every_gamma(arch, build):
         assert (rewinds > 0) == (ROLLBACK[arch] == "rewind")  # a re-run only where trims can't
 
 
-@pytest.fixture
-def int8_activations():
-    """The native kernel's default mode (the suite runs float32 x: see conftest.py)."""
-    if not native.available():
-        pytest.skip(native.reason())
-    before = native.activations()
-    native.set_activations("int8")
-    yield
-    native.set_activations(before)
-
-
 @pytest.mark.parametrize("arch", [a for a in ROLLBACK if a in SUPPORTED_ARCHS])
 def test_greedy_speculation_on_int4_and_int8_activations_equals_the_target_alone(
     arch, build, int8_activations, tmp_path

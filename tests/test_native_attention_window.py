@@ -170,17 +170,6 @@ def test_a_k_token_pass_equals_k_steps_on_window_models(arch, tmp_path):
         rewind(model, cache, saved, [], k)
 
 
-@pytest.fixture
-def int8_activations():
-    """The native kernel's default mode (the suite runs float32 x: see conftest.py)."""
-    if not native.available():
-        pytest.skip(native.reason())
-    before = native.activations()
-    native.set_activations("int8")
-    yield
-    native.set_activations(before)
-
-
 @pytest.mark.parametrize("attention_mode,activations", [("native", "int8"), ("mlx", "float32")])
 def test_a_quantized_gemma3_keeps_int8_activations_only_on_native_attention(
     attention_mode, activations, int8_activations, tmp_path

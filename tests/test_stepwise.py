@@ -186,18 +186,7 @@ def quantize_int4(source, dest):
     return dest
 
 
-@pytest.fixture
-def int8_activations():
-    """The native kernel's default mode (the suite runs float32 x: see conftest.py)."""
-    if not native.available():
-        pytest.skip(native.reason())
-    before = native.activations()
-    native.set_activations("int8")
-    yield
-    native.set_activations(before)
-
-
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [*ARCHS, *native.RECURRENT_EXACT])
 def test_int4_models_keep_int8_activations_and_speculate_exactly(
     arch, tiny, int8_activations, tmp_path
 ):

@@ -148,17 +148,25 @@ def set_activations(mode: str) -> None:
     _float32_why = ""
 
 
+# Recurrent layers whose mlx-lm code is exact over a pass as it stands: the gated delta
+# rule of Qwen3-Next and Qwen3.5 runs one token at a time whatever the pass's length, and
+# LFM2's short conv gives each row the same bits over any length on the CPU
+# (bench/row_exactness.py; tests/test_stepwise.py checks their INT4 copies too).
+RECURRENT_EXACT = ("qwen3_next", "qwen3_5", "lfm2")
+
+
 def rows_exact(module: nn.Module, windows_exact: bool = False) -> bool:
     """Whether the model's pass over k tokens gives each position bit for bit what a
     one-token step gives it: where every layer keeps a plain KV cache (global causal
     attention) or a sliding window that the native attention op runs (`windows_exact`:
     specmlx.cpu.attention.windows_exact, which imports this module), or a Mamba-2 state
-    that specmlx.stepwise steps through short passes. Sliding windows on mlx-lm's
+    that specmlx.stepwise steps through short passes, or RECURRENT_EXACT's layers.
+    Sliding windows on mlx-lm's
     attention (its masked multi-token path) and mlx-lm's chunked Mamba-2 scan differ in
     the logits' last bits (bench/row_exactness.py), harmless in float32 but enough for
     int8 x's rounding to carry a near-tie to another greedy token, so that speculation
     would not decode what the target alone does."""
-    from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
     from .. import stepwise
     from ..caches import layers
@@ -166,7 +174,10 @@ def rows_exact(module: nn.Module, windows_exact: bool = False) -> bool:
     caches = layers(make_prompt_cache(module))
     kv_only = all(type(c) is KVCache for c in caches)
     windows = windows_exact and all(type(c) in (KVCache, RotatingKVCache) for c in caches)
-    return kv_only or windows or stepwise.stepped(module)
+    recurrent = getattr(module, "model_type", None) in RECURRENT_EXACT and all(
+        type(c) in (KVCache, ArraysCache) for c in caches
+    )
+    return kv_only or windows or recurrent or stepwise.stepped(module)
 
 
 def keep_exact(module: nn.Module, name: str, windows_exact: bool = False) -> None:
