@@ -199,7 +199,7 @@ def test_prompt_lookup_needs_no_probe_per_call():
 
 def auto_with_both(lookup_alpha):
     """AutoGamma with the draft model (sure text, this CPU's costs) and prompt lookup, whose
-    guesses pass with lookup_alpha; the context has a one-token match."""
+    guesses pass with lookup_alpha; the context has a two-token match."""
     from specmlx.drafters import CostProbe, LookupDrafter
     from specmlx.policy import AutoGamma
 
@@ -212,7 +212,7 @@ def auto_with_both(lookup_alpha):
     model.opening = False
     model.acceptance = Acceptance(0.95 * 40, 40.0, seen=True)
     lookup.acceptance = Acceptance(lookup_alpha * 40, 40.0, seen=True)
-    auto.lookup.start([5, 1, 2, 3, 4, 5])  # "5" was followed by "1"
+    auto.lookup.start([4, 5, 1, 2, 3, 4, 5])  # "4 5" was followed by "1"
     return auto
 
 

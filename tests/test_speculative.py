@@ -249,6 +249,8 @@ def test_lookup_proposes_what_followed_the_last_match():
     assert drafter.find(4) == [5, 9, 2, 3]
     drafter.start([1, 2, 3])
     assert drafter.find(4) == []
+    drafter.start([7, 1, 2, 8, 2])  # only "2" recurs: one token is no match
+    assert drafter.find(2) == []
 
 
 def test_a_sessions_first_draft_proposal_is_not_taken_as_the_drafts_cost(no_eos):

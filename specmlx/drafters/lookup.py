@@ -15,10 +15,12 @@ class LookupDrafter:
 
     name = "lookup"
 
-    def __init__(self, vocab_size: int, sampled: bool, max_ngram: int = 3):
+    def __init__(self, vocab_size: int, sampled: bool, max_ngram: int = 3, min_ngram: int = 2):
         self.vocab_size = vocab_size
         self.sampled = sampled  # at T > 0 the verify needs q, here a point mass
-        self.max_ngram = max_ngram
+        # One token matches somewhere in almost any long text, and what followed it there
+        # seldom follows here: on prose such guesses kept lookup looking (and losing).
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.history: list[int] = []
         self._found: tuple[int, int, list[int]] = (-1, 0, [])  # (history length, g, found)
 
@@ -27,13 +29,14 @@ class LookupDrafter:
 
     def find(self, g: int) -> list[int]:
         """Up to g tokens that followed the most recent earlier match of the longest
-        suffix; one scan per round, whatever is asked (a shorter proposal is a prefix)."""
+        suffix (of min_ngram to max_ngram tokens); one scan per round, whatever is asked
+        (a shorter proposal is a prefix)."""
         length, longest, found = self._found
         if length == len(self.history) and g <= longest:
             return found[:g]
         h = self.history
         found = []
-        for n in range(min(self.max_ngram, len(h) - 1), 0, -1):
+        for n in range(min(self.max_ngram, len(h) - 1), self.min_ngram - 1, -1):
             tail = h[-n:]
             start = next((s for s in range(len(h) - n - 1, -1, -1) if h[s : s + n] == tail), None)
             if start is not None:
