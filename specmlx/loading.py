@@ -256,7 +256,7 @@ def load(
     by_file: dict[str, dict[str, mx.array]] = {}
     mapped: list[mx.array] = []
     for header in [] if unavailable else headers:
-        tensors, in_place, unavailable = map_weights([header])
+        tensors, in_place, unavailable = map_weights(header)
         if unavailable:  # one file that cannot be mapped: mx.load reads them all
             by_file, mapped = {}, []
             break
@@ -363,30 +363,26 @@ def weights_for_mlx_lm(by_file: dict[str, dict[str, mx.array]]) -> Iterator[None
         mlx_lm.utils.mx = mx
 
 
-def map_weights(headers: list[Header]) -> tuple[dict[str, mx.array], list[mx.array], str]:
-    """Every tensor of the files: over a read-only mapping where its offset allows, else
+def map_weights(header: Header) -> tuple[dict[str, mx.array], list[mx.array], str]:
+    """Every tensor of the file: over a read-only mapping where its offset allows, else
     read by mx.load (lazily, so only those are copied). Returns (weights, the mapped
-    arrays, ''), or ({}, [], why) when a file cannot be mapped (mx.load reads it all)."""
+    arrays, ''), or ({}, [], why) when the file cannot be mapped (mx.load reads it all)."""
     from .cpu import native
 
-    weights: dict[str, mx.array] = {}
-    mapped: list[mx.array] = []
-    for header in headers:
-        names = list(header.tensors)
-        entries = [
-            (t.begin, list(t.shape), SAFETENSORS_DTYPES[t.dtype]) for t in header.tensors.values()
-        ]
-        try:
-            arrays = native._ext.map_tensors(str(header.path), entries)
-        except ValueError as e:  # open/mmap refused, or the file changed since its header
-            read_header(header.path)  # a file cut short since is one line, not a fallback
-            return {}, [], f"mapping {header.path.name} failed ({one_line(e, 120)})"
-        unaligned = mx.load(str(header.path)) if any(a is None for a in arrays) else {}
-        for name, array in zip(names, arrays, strict=True):
-            weights[name] = unaligned[name] if array is None else array
-        mapped += [a for a in arrays if a is not None]
+    names = list(header.tensors)
+    entries = [
+        (t.begin, list(t.shape), SAFETENSORS_DTYPES[t.dtype]) for t in header.tensors.values()
+    ]
+    try:
+        arrays = native._ext.map_tensors(str(header.path), entries)
+    except ValueError as e:  # open/mmap refused, or the file changed since its header
+        read_header(header.path)  # a file cut short since is one line, not a fallback
+        return {}, [], f"mapping {header.path.name} failed ({one_line(e, 120)})"
+    mapped = [a for a in arrays if a is not None]
     if not mapped:
         return {}, [], "no tensor lies at an 8-byte-aligned offset"
+    unaligned = mx.load(str(header.path)) if len(mapped) < len(arrays) else {}
+    weights = {n: unaligned[n] if a is None else a for n, a in zip(names, arrays, strict=True)}
     return weights, mapped, ""
 
 

@@ -73,7 +73,7 @@ def mapped_paths() -> list[str]:
 def test_mapped_tensors_equal_mx_load(tmp_path):
     file = tmp_path / "w.safetensors"
     write_safetensors(file, sample_tensors())
-    weights, mapped, why = loading.map_weights([read_header(file)])
+    weights, mapped, why = loading.map_weights(read_header(file))
     expected = mx.load(str(file))
     assert why == "" and len(mapped) == len(expected)
     assert weights.keys() == expected.keys()
@@ -87,7 +87,7 @@ def test_unaligned_tensor_is_read_by_copy_with_the_same_values(tmp_path):
     mx.random.seed(1)
     tensors = {"odd": mx.arange(3, dtype=mx.uint8), "after": mx.random.normal((5, 4))}
     write_safetensors(file, tensors)  # "after" starts 3 bytes into the data section
-    weights, mapped, _ = loading.map_weights([read_header(file)])
+    weights, mapped, _ = loading.map_weights(read_header(file))
     assert len(mapped) == 1  # "odd" only: its offset is the aligned data start
     assert weights["odd"] is mapped[0]
     for name, array in tensors.items():
@@ -100,14 +100,14 @@ def test_a_file_with_no_aligned_tensor_is_read_by_mx_load_and_says_why(model_dir
     misaligned = {n: t for n, t in headers[0].tensors.items() if t.begin % 8}
     if len(misaligned) < len(headers[0].tensors):
         pytest.skip("this tiny model happens to have aligned tensors")
-    assert loading.map_weights(headers) == ({}, [], "no tensor lies at an 8-byte-aligned offset")
+    assert loading.map_weights(headers[0]) == ({}, [], "no tensor lies at an 8-byte-aligned offset")
 
 
 def test_arrays_outlive_the_loader_and_the_mapping_goes_with_the_last(tmp_path):
     file = tmp_path / "kept.safetensors"
     tensors = sample_tensors()
     write_safetensors(file, tensors)
-    weights, mapped, _ = loading.map_weights([read_header(file)])
+    weights, mapped, _ = loading.map_weights(read_header(file))
     kept = weights["f32"]
     del weights, mapped
     gc.collect()
@@ -133,7 +133,7 @@ def test_a_mapped_tensor_is_never_written_through(tmp_path):
     tensors = sample_tensors()
     write_safetensors(file, tensors)
     before = hashlib.sha256(file.read_bytes()).hexdigest()
-    weights, mapped, _ = loading.map_weights([read_header(file)])
+    weights, mapped, _ = loading.map_weights(read_header(file))
     del mapped
     out = mx.exp(weights.pop("f32"))  # the graph holds the only reference
     doubled = weights.pop("u32") * 2
@@ -152,7 +152,7 @@ def test_a_mapped_tensor_made_contiguous_is_shared_not_copied(tmp_path):
     file = tmp_path / "w.safetensors"
     mx.random.seed(2)
     write_safetensors(file, {"w": mx.random.normal((1024, 1024))})  # 4 MiB
-    weights, _, _ = loading.map_weights([read_header(file)])
+    weights, _, _ = loading.map_weights(read_header(file))
     mx.eval(mx.zeros((1,)))
     before = mx.get_active_memory()
     shared = mx.contiguous(weights["w"])
@@ -175,7 +175,7 @@ def test_a_file_cut_after_its_header_was_read_is_one_line(tmp_path):
     header = read_header(file)
     file.write_bytes(file.read_bytes()[: header.data_start + 100])
     with pytest.raises(SpecmlxError, match="truncated") as refused:
-        loading.map_weights([header])
+        loading.map_weights(header)
     assert "\n" not in str(refused.value)
 
 
@@ -207,7 +207,7 @@ def test_a_bad_file_is_refused_in_one_line_before_anything_is_mapped(tmp_path, c
     code = (
         "import sys; from pathlib import Path; from specmlx import loading\n"
         "from specmlx.errors import SpecmlxError; from specmlx.safetensors import read_header\n"
-        f"try: loading.map_weights([read_header(Path({str(file)!r}))])\n"
+        f"try: loading.map_weights(read_header(Path({str(file)!r})))\n"
         "except SpecmlxError as e: print(e); sys.exit(3)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
