@@ -384,7 +384,10 @@ def _decode(
                 queued = _plain_pass(target, cache, draw, token, next_key)
         # The one host sync of the round. Only what was computed before the queued pass:
         # an array made now would be computed after it, and the sync would wait for both.
-        mx.eval(token) if proposal is None else mx.eval(n, token)
+        if proposal is None:
+            mx.eval(token)
+        else:
+            mx.eval(n, token)
         n, token = int(n), token.item()
         was_plain = proposal is None
         t2 = time.perf_counter()

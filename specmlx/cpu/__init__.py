@@ -64,9 +64,9 @@ def prepare(
     choose its weights mode, expand INT4 to float32 in the fp32 mode, and with
     `use_native` route the layers left quantized through the native kernel, and attention
     through the native op (specmlx.cpu.attention), and compile its norms, RoPE and MLPs
-    (specmlx.compiled). `stored`: the
-    parameters before the cast (by path); the kernel's layers get their fp16/bf16 scales,
-    biases and bias back from it, used in place (see native.keep_stored_halves).
+    (specmlx.compiled). `stored`: the parameters before the cast (by path); the kernel's
+    layers get their fp16/bf16 scales, biases and bias back from it, used in place (see
+    native.keep_stored_halves).
 
     Returns (mode, why): mode 'int4', 'fp32', or 'dense' for an unquantized checkpoint.
     On the GPU nothing is patched (the kernel is CPU-only) and 'auto' keeps INT4.

@@ -49,6 +49,11 @@ FULL_CACHES = (KVCache, ConcatenateKVCache)
 mlx_attention = base.scaled_dot_product_attention  # mlx-lm's, before any patch
 
 
+def head_dim_ok(d: object) -> bool:
+    """Whether the kernel takes head size `d`."""
+    return isinstance(d, int) and d % HEAD_DIM_STEP == 0 and 0 < d <= MAX_HEAD_DIM
+
+
 def _env_mode() -> tuple[str, str]:
     """(the mode SPECMLX_ATTENTION asks for, or the default; '' or why it is bad)."""
     text = os.environ.get(ENV, "").strip()
@@ -140,8 +145,7 @@ def _native_call(
         and keys.shape[3] == d
         and hkv > 0
         and hq % hkv == 0
-        and d % HEAD_DIM_STEP == 0
-        and 0 < d <= MAX_HEAD_DIM
+        and head_dim_ok(d)
         and lk > 0
     ):
         return None
@@ -204,9 +208,7 @@ def windows_exact(module: nn.Module) -> bool:
         mode() == "native"
         and mx.default_device() == mx.cpu
         and bool(heads)
-        and all(
-            isinstance(d, int) and d % HEAD_DIM_STEP == 0 and 0 < d <= MAX_HEAD_DIM for d in heads
-        )
+        and all(head_dim_ok(d) for d in heads)
         and all(c.keep == 0 for c in windows)
     )
 

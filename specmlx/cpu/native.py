@@ -161,11 +161,10 @@ def rows_exact(module: nn.Module, windows_exact: bool = False) -> bool:
     attention) or a sliding window that the native attention op runs (`windows_exact`:
     specmlx.cpu.attention.windows_exact, which imports this module), or a Mamba-2 state
     that specmlx.stepwise steps through short passes, or RECURRENT_EXACT's layers.
-    Sliding windows on mlx-lm's
-    attention (its masked multi-token path) and mlx-lm's chunked Mamba-2 scan differ in
-    the logits' last bits (bench/row_exactness.py), harmless in float32 but enough for
-    int8 x's rounding to carry a near-tie to another greedy token, so that speculation
-    would not decode what the target alone does."""
+    Sliding windows on mlx-lm's attention (its masked multi-token path) and mlx-lm's
+    chunked Mamba-2 scan differ in the logits' last bits (bench/row_exactness.py),
+    harmless in float32 but enough for int8 x's rounding to carry a near-tie to another
+    greedy token, so that speculation would not decode what the target alone does."""
     from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
     from .. import stepwise
