@@ -48,6 +48,25 @@ def isas():
     native.set_activations(mode)
 
 
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """pair(arch) -> (target dir, draft dir): a tiny float32 model of `arch` and a draft
+    that is a perturbed copy of it, each built once in the session."""
+    root = tmp_path_factory.mktemp("tiny-pairs")
+    built: dict[str, tuple] = {}
+
+    def pair(arch: str):
+        if arch not in built:
+            target = build_tiny_model(root / f"{arch}-target", arch=arch, seed=0)
+            draft = build_tiny_model(
+                root / f"{arch}-draft", arch=arch, seed=1, perturb_from=target, noise=0.05
+            )
+            built[arch] = (target, draft)
+        return built[arch]
+
+    return pair
+
+
 @pytest.fixture
 def int8_activations():
     """The native kernel's default mode, int8 x (the suite runs float32 x: see above)."""

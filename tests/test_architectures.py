@@ -20,7 +20,7 @@ import specmlx
 from specmlx.caches import layers
 from specmlx.convert.quantize import SUPPORTED_ARCHS, quantize
 from specmlx.cpu import native
-from specmlx.tiny import ARCHITECTURES, build_tiny_model
+from specmlx.tiny import ARCHITECTURES
 
 # How each architecture's caches are rolled back: by trimming (every layer keeps every
 # position), or by rewinding a checkpoint (sliding windows, recurrent state).
@@ -60,16 +60,12 @@ def test_every_tiny_architecture_is_classified():
 
 
 @pytest.fixture(scope="module")
-def build(tmp_path_factory):
-    root = tmp_path_factory.mktemp("architectures")
+def build(tiny_pair):
     built: dict[str, tuple] = {}
 
     def pair(arch: str):
         if arch not in built:
-            target = build_tiny_model(root / f"{arch}-target", arch=arch, seed=0)
-            draft = build_tiny_model(
-                root / f"{arch}-draft", arch=arch, seed=1, perturb_from=target, noise=0.05
-            )
+            target, draft = tiny_pair(arch)
             models = specmlx.load(target), specmlx.load(draft)
             for m in models:
                 m.tokenizer.eos_token_ids = set()  # every run decodes N tokens

@@ -18,7 +18,6 @@ from specmlx.caches import checkpoint, layers, make_cache, prefill, rewind
 from specmlx.cpu import native
 from specmlx.mlxlm import model_classes
 from specmlx.settings import MAX_GAMMA
-from specmlx.tiny import build_tiny_model
 
 ARCHS = ["mamba2", "granitemoehybrid", "falcon_h1"]
 PROMPT = (
@@ -26,24 +25,6 @@ PROMPT = (
     "    return a\nThe quick brown fox jumps over the lazy dog."
 )
 N = 32
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """(target dir, draft dir) of a tiny float32 model of `arch`, built once."""
-    root = tmp_path_factory.mktemp("stepwise")
-    built: dict[str, tuple] = {}
-
-    def pair(arch: str):
-        if arch not in built:
-            target = build_tiny_model(root / f"{arch}-target", arch=arch, seed=0)
-            draft = build_tiny_model(
-                root / f"{arch}-draft", arch=arch, seed=1, perturb_from=target, noise=0.05
-            )
-            built[arch] = (target, draft)
-        return built[arch]
-
-    return pair
 
 
 @pytest.fixture
@@ -94,8 +75,8 @@ def test_the_longest_verify_pass_is_stepped():
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_loading_steps_the_models_mixers_once(arch, tiny):
-    model = specmlx.load(tiny(arch)[0])
+def test_loading_steps_the_models_mixers_once(arch, tiny_pair):
+    model = specmlx.load(tiny_pair(arch)[0])
     assert stepwise.stepped(model.module)
     assert stepwise.patch_model(model.module) == 2  # two Mamba-2 mixers; again a no-op
     ssm = type(stepwise.mixers(model.module)[0])._ssm
@@ -103,8 +84,8 @@ def test_loading_steps_the_models_mixers_once(arch, tiny):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_a_pass_over_up_to_max_gamma_plus_one_tokens_equals_one_token_steps(arch, tiny):
-    model = specmlx.load(tiny(arch)[0])
+def test_a_pass_over_up_to_max_gamma_plus_one_tokens_equals_one_token_steps(arch, tiny_pair):
+    model = specmlx.load(tiny_pair(arch)[0])
     for k in range(2, stepwise.MAX_TOKENS + 1):
         tokens = [(5 + 37 * i) % 200 for i in range(k)]
         (one, one_state), (steps, steps_state) = one_pass_and_steps(model, tokens)
@@ -113,16 +94,16 @@ def test_a_pass_over_up_to_max_gamma_plus_one_tokens_equals_one_token_steps(arch
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_mlx_lms_chunked_pass_is_not_bit_exact_without_it(arch, tiny, chunked):
+def test_mlx_lms_chunked_pass_is_not_bit_exact_without_it(arch, tiny_pair, chunked):
     # Why the module exists: if mlx-lm's multi-token form ever gives a step's bits, it can go.
-    model = specmlx.load(tiny(arch)[0])
+    model = specmlx.load(tiny_pair(arch)[0])
     (one, _), (steps, _) = one_pass_and_steps(model, [5, 17, 42])
     assert not mx.array_equal(one, steps).item()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_a_prompt_prefill_keeps_mlx_lms_chunked_form(arch, tiny):
-    model = specmlx.load(tiny(arch)[0])
+def test_a_prompt_prefill_keeps_mlx_lms_chunked_form(arch, tiny_pair):
+    model = specmlx.load(tiny_pair(arch)[0])
     ids = model.tokenizer.encode(PROMPT)
     assert len(ids) > stepwise.MAX_TOKENS
     results = []
@@ -145,8 +126,8 @@ def test_a_prompt_prefill_keeps_mlx_lms_chunked_form(arch, tiny):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_rows_exact_says_exact_only_while_the_mixers_step(arch, tiny):
-    model = specmlx.load(tiny(arch)[0])
+def test_rows_exact_says_exact_only_while_the_mixers_step(arch, tiny_pair):
+    model = specmlx.load(tiny_pair(arch)[0])
     assert native.rows_exact(model.module)
     stepwise.set_enabled(False)
     try:
@@ -156,8 +137,8 @@ def test_rows_exact_says_exact_only_while_the_mixers_step(arch, tiny):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_speculation_equals_the_target_alone(arch, tiny):
-    target, draft = (specmlx.load(path) for path in tiny(arch))
+def test_greedy_speculation_equals_the_target_alone(arch, tiny_pair):
+    target, draft = (specmlx.load(path) for path in tiny_pair(arch))
     for m in (target, draft):
         m.tokenizer.eos_token_ids = set()  # every run decodes N tokens
     ids = target.tokenizer.encode(PROMPT)
@@ -188,10 +169,10 @@ def quantize_int4(source, dest):
 
 @pytest.mark.parametrize("arch", [*ARCHS, *native.RECURRENT_EXACT])
 def test_int4_models_keep_int8_activations_and_speculate_exactly(
-    arch, tiny, int8_activations, tmp_path
+    arch, tiny_pair, int8_activations, tmp_path
 ):
     models = []
-    for name, source in zip(("target", "draft"), tiny(arch), strict=True):
+    for name, source in zip(("target", "draft"), tiny_pair(arch), strict=True):
         models.append(specmlx.load(quantize_int4(source, tmp_path / name)))
         models[-1].tokenizer.eos_token_ids = set()
     target, draft = models
