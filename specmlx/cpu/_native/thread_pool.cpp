@@ -1,12 +1,45 @@
 #include "thread_pool.h"
 
+#include <immintrin.h>
 #include <sched.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <string>
 
 namespace specmlx {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// How long a thread spins for the next task (or for its workers) before it parks. A parked
+// worker on a VM's idle vCPU took 20-160 us to wake (the host halts the vCPU): more than a
+// whole matmul of a decode step, whose matmuls come well inside this window of each other.
+// Longer windows (1 ms) lost decode speed: the spinning worker took a core from the Python
+// thread and MLX's stream thread when both ran, between passes.
+constexpr auto kSpinWindow = std::chrono::microseconds(200);
+
+// Spin until value != seen or the window passes; true if it changed. The spin yields the
+// core every microsecond or so, to whichever other thread wants it.
+template <typename T>
+bool spin_until_changed(const std::atomic<T>& value, T seen) {
+  const auto deadline = Clock::now() + kSpinWindow;
+  while (true) {
+    for (int i = 0; i < 64; ++i) {
+      if (value.load(std::memory_order_acquire) != seen) {
+        return true;
+      }
+      _mm_pause();
+    }
+    if (Clock::now() >= deadline) {
+      return false;
+    }
+    sched_yield();
+  }
+}
+
+} // namespace
 
 int default_thread_count() {
   if (const char* env = std::getenv("SPECMLX_THREADS"); env && *env) {
@@ -69,7 +102,9 @@ void ThreadPool::resize(int n) {
 
 void ThreadPool::worker(int index, uint64_t seen) {
   while (true) {
-    generation_.wait(seen, std::memory_order_acquire);
+    if (!spin_until_changed(generation_, seen)) {
+      generation_.wait(seen, std::memory_order_acquire);
+    }
     seen = generation_.load(std::memory_order_acquire);
     if (stopping_) {
       return;
@@ -98,7 +133,9 @@ void ThreadPool::run(int n_tasks, const std::function<void(int)>& fn) {
   generation_.notify_all();
   fn(0);
   for (int left; (left = pending_.load(std::memory_order_acquire)) != 0;) {
-    pending_.wait(left, std::memory_order_acquire);
+    if (!spin_until_changed(pending_, left)) {
+      pending_.wait(left, std::memory_order_acquire);
+    }
   }
 }
 
