@@ -88,6 +88,7 @@ def prepare(
         native.keep_exact(module, name, windows_exact=attention.windows_exact(module))
         if stored:
             native.keep_stored_halves(module, stored)
+        native.patch_mlps(module)
     if use_native:
         attention.patch_model(module)
         compiled.patch_model(module)

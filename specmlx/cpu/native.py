@@ -16,11 +16,14 @@ choice and its figures).
 
 from __future__ import annotations
 
+import ast
 import importlib
+import inspect
 import json
 import os
 import platform
 import sys
+import textwrap
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -263,6 +266,38 @@ def softmax(x: mx.array) -> mx.array:
     return mx.softmax(x, axis=-1)
 
 
+def gated_matmul(x: mx.array, gate: nn.QuantizedLinear, up: nn.QuantizedLinear) -> mx.array:
+    """silu(gate(x)) * up(x): the native gated op (x quantized once, one dispatch, a vector
+    sigmoid) where both layers and the call suit it, else the two layers and MLX's silu."""
+    op = getattr(_ext, "gated_matmul", None)  # None too in a build from before it existed
+    if (
+        op is not None
+        and isinstance(gate, NativeQuantizedLinear)
+        and isinstance(up, NativeQuantizedLinear)
+        and "bias" not in gate
+        and "bias" not in up
+        and (gate.bits, gate.group_size) == (up.bits, up.group_size)
+        and gate["weight"].shape == up["weight"].shape
+        and gate["scales"].dtype == up["scales"].dtype
+        and supports(
+            x, gate["weight"], gate["scales"], gate.get("biases"), gate.group_size, gate.bits
+        )
+        and up.get("biases") is not None
+    ):
+        return op(
+            x,
+            gate["weight"],
+            gate["scales"],
+            gate["biases"],
+            up["weight"],
+            up["scales"],
+            up["biases"],
+            gate.group_size,
+            gate.bits,
+        )
+    return nn.silu(gate(x)) * up(x)
+
+
 class NativeQuantizedLinear(nn.QuantizedLinear):
     """A QuantizedLinear whose matmul goes through `quantized_matmul` above."""
 
@@ -312,6 +347,80 @@ class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
             self.bits,
             self.mode,
         )
+
+
+# The bodies of mlx-lm's silu-gated MLPs (Llama, Qwen2/3, Mistral and ~45 others), each
+# with the names it must resolve to: an MLP is given the gated op only when its __call__
+# is exactly one of these, so a variant (a clamp, another activation) never is.
+SILU_GATED_BODIES = {
+    "return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))": "swiglu",
+    "return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))": "nn",
+}
+
+
+def _silu_gated(cls: type) -> bool:
+    """Whether cls.__call__(self, x) is down_proj(silu(gate_proj(x)) * up_proj(x))."""
+    from mlx_lm.models import activations
+
+    call = cls.__call__
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(call)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    fn = tree.body[0] if tree.body else None
+    if not isinstance(fn, ast.FunctionDef) or [a.arg for a in fn.args.args] != ["self", "x"]:
+        return False
+    body = [
+        stmt
+        for stmt in fn.body
+        if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant))
+    ]
+    if len(body) != 1:
+        return False
+    names = {"swiglu": activations.swiglu, "nn": nn}
+    for text, name in SILU_GATED_BODIES.items():
+        if ast.dump(body[0]) == ast.dump(ast.parse(text).body[0]):
+            return call.__globals__.get(name) is names[name]
+    return False
+
+
+class _GatedMLP:
+    """Mixed in before a silu-gated MLP's class: its gate and up projections run as one
+    native gated op."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(gated_matmul(x, self.gate_proj, self.up_proj))
+
+
+_gated_classes: dict[type, type | None] = {}
+
+
+def _gated_class(cls: type) -> type | None:
+    """cls with _GatedMLP mixed in, or None where cls is not a silu-gated MLP."""
+    if cls not in _gated_classes:
+        _gated_classes[cls] = (
+            type(f"NativeGated{cls.__name__}", (_GatedMLP, cls), {}) if _silu_gated(cls) else None
+        )
+    return _gated_classes[cls]
+
+
+def patch_mlps(module: nn.Module) -> int:
+    """Give the model's silu-gated MLPs whose gate and up projections run on the kernel the
+    gated op; returns how many. Call after patch_model."""
+    if getattr(_ext, "gated_matmul", None) is None:
+        return 0
+    patched = 0
+    for layer in module.modules():
+        gate, up = layer.get("gate_proj"), layer.get("up_proj")
+        if not (isinstance(gate, NativeQuantizedLinear) and isinstance(up, NativeQuantizedLinear)):
+            continue
+        if isinstance(layer, _GatedMLP) or "down_proj" not in layer:
+            continue
+        gated = _gated_class(type(layer))
+        if gated is not None:
+            layer.__class__ = gated
+            patched += 1
+    return patched
 
 
 def _qualifies(layer: nn.Module) -> bool:

@@ -39,6 +39,30 @@ NB_MODULE(_ext, m) {
       "bits"_a = 4,
       "x @ dequantize(w, scales, biases).T for 4/8-bit affine weights on the default CPU stream.");
   m.def(
+      "gated_matmul",
+      [](const specmlx::mx::array& x,
+         const specmlx::mx::array& w_gate,
+         const specmlx::mx::array& scales_gate,
+         const specmlx::mx::array& biases_gate,
+         const specmlx::mx::array& w_up,
+         const specmlx::mx::array& scales_up,
+         const specmlx::mx::array& biases_up,
+         int group_size,
+         int bits) {
+        return specmlx::gated_matmul(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, group_size, bits);
+      },
+      "x"_a,
+      "w_gate"_a,
+      "scales_gate"_a,
+      "biases_gate"_a,
+      "w_up"_a,
+      "scales_up"_a,
+      "biases_up"_a,
+      "group_size"_a = 64,
+      "bits"_a = 4,
+      "silu(x @ dequantize(w_gate).T) * (x @ dequantize(w_up).T), x quantized once, on the "
+      "default CPU stream.");
+  m.def(
       "softmax",
       [](const specmlx::mx::array& x) { return specmlx::softmax(x); },
       "x"_a,

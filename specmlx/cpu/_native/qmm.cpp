@@ -120,29 +120,28 @@ void quantize_any(
   }
 }
 
-struct Call {
-  const void* x;
-  mx::Dtype x_type;
+struct Weights {
   const uint32_t* w;
   const void* scales;
   const void* biases;
+};
+
+struct Call {
+  const void* x;
+  mx::Dtype x_type;
+  Weights a;
+  Weights b;  // the gated matmul's second matrix (up); w null for a plain matmul
   ScaleType stype;
   void* out;
   mx::Dtype out_type;
   int M, N, K, group_size, bits;
 };
 
-void run(const Call& c) {
-  thread_local std::unique_ptr<float[]> x_buf, y_buf;
-  thread_local size_t x_cap = 0, y_cap = 0;
-  const Isa isa = g_isa.load(std::memory_order_relaxed);
-  const int ldx = row_stride(c.K);
-  const size_t x_elems = size_t(c.M) * ldx, y_elems = size_t(c.M) * c.N;
-
-  float* y = c.out_type == mx::float32 ? static_cast<float*>(c.out) : scratch(y_buf, y_cap, y_elems);
-  QmmJob job{
-      nullptr, c.w, c.scales, c.biases, c.stype, y, c.M, c.N, c.K, c.group_size, c.bits, ldx};
-  const bool q8 = g_activations.load(std::memory_order_relaxed) == Activations::int8;
+// x in the layout the kernels read (quantized to int8, or packed float32) into this
+// thread's scratch; the job's x fields point at it.
+void prepare_x(const Call& c, Isa isa, bool q8, QmmJob& job) {
+  thread_local std::unique_ptr<float[]> x_buf;
+  thread_local size_t x_cap = 0;
   if (q8) {
     thread_local std::unique_ptr<int8_t[]> q_buf;
     thread_local size_t q_cap = 0;
@@ -158,19 +157,51 @@ void run(const Call& c) {
     job.xd = d;
     job.xs = s;
   } else {
-    float* xp = scratch(x_buf, x_cap, x_elems);
+    float* xp = scratch(x_buf, x_cap, size_t(c.M) * job.ldx);
     // 8-bit codes come out of memory in k order, so their x stays in k order too.
     const int lanes = c.bits == 4 ? isa_lanes(isa) : 1;
-    pack_any(c.x, c.x_type, xp, c.M, c.K, ldx, c.group_size, lanes);
+    pack_any(c.x, c.x_type, xp, c.M, c.K, job.ldx, c.group_size, lanes);
     job.x = xp;
+  }
+}
+
+// x @ a^T, or with b: silu(x @ a^T) * (x @ b^T). Each thread takes a range of output
+// columns, of both products, and applies the activation to its own range.
+void run(const Call& c) {
+  thread_local std::unique_ptr<float[]> y_buf, u_buf;
+  thread_local size_t y_cap = 0, u_cap = 0;
+  const Isa isa = g_isa.load(std::memory_order_relaxed);
+  const size_t y_elems = size_t(c.M) * c.N;
+  const bool gated = c.b.w != nullptr;
+
+  float* y = c.out_type == mx::float32 ? static_cast<float*>(c.out) : scratch(y_buf, y_cap, y_elems);
+  QmmJob job{
+      nullptr, c.a.w, c.a.scales, c.a.biases, c.stype, y, c.M, c.N, c.K, c.group_size, c.bits, row_stride(c.K)};
+  const bool q8 = g_activations.load(std::memory_order_relaxed) == Activations::int8;
+  prepare_x(c, isa, q8, job);
+  QmmJob up = job;
+  if (gated) {
+    up.w = c.b.w;
+    up.scales = c.b.scales;
+    up.biases = c.b.biases;
+    up.y = scratch(u_buf, u_cap, y_elems);
   }
   auto& pool = ThreadPool::instance();
   const int pairs = (c.N + 1) / 2;
-  const size_t work = size_t(c.N) * c.K * size_t(c.M + 2);
+  const size_t work = size_t(c.N) * c.K * size_t(c.M + 2) * (gated ? 2 : 1);
   const int n_threads = int(std::clamp<size_t>(work / kMinWorkPerThread, 1, std::min(pool.size(), pairs)));
+  const auto rows = q8 ? qmm_rows_q8 : qmm_rows;
   pool.run(n_threads, [&](int t) {
     const int p0 = int(int64_t(pairs) * t / n_threads), p1 = int(int64_t(pairs) * (t + 1) / n_threads);
-    (q8 ? qmm_rows_q8 : qmm_rows)(isa, job, 2 * p0, std::min(c.N, 2 * p1));
+    const int n0 = 2 * p0, n1 = std::min(c.N, 2 * p1);
+    rows(isa, job, n0, n1);
+    if (gated) {
+      rows(isa, up, n0, n1);
+      for (int m = 0; m < c.M; ++m) {
+        const size_t at = size_t(m) * c.N + n0;
+        silu_mul(isa, y + at, up.y + at, y + at, n1 - n0);
+      }
+    }
   });
 
   if (c.out_type == mx::bfloat16) {
@@ -196,20 +227,21 @@ mx::array row_contiguous(const mx::array& x, mx::Stream s) {
 void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const auto& x = inputs[0];
   const auto& w = inputs[1];
-  const auto& scales = inputs[2];
-  const auto& biases = inputs[3];
+  const bool gated = inputs.size() == 7;  // + the up matrix's w, scales, biases
   out.set_data(mx::allocator::malloc(out.nbytes()));
   if (out.size() == 0) {
     return;
   }
   const int K = x.shape(-1);
+  const auto weights = [&](int i) {
+    return Weights{inputs[i].data<uint32_t>(), inputs[i + 1].data<void>(), inputs[i + 2].data<void>()};
+  };
   const Call call{
       x.data<void>(),
       x.dtype(),
-      w.data<uint32_t>(),
-      scales.data<void>(),
-      biases.data<void>(),
-      scale_type(scales.dtype()),
+      weights(1),
+      gated ? weights(4) : Weights{nullptr, nullptr, nullptr},
+      scale_type(inputs[2].dtype()),
       out.data<void>(),
       out.dtype(),
       int(x.size() / K),
@@ -220,10 +252,9 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
   // The op made every input row-contiguous, so raw pointers describe them fully. MLX keeps
   // input and output buffers alive until the stream has run this task.
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  encoder.set_input_array(x);
-  encoder.set_input_array(w);
-  encoder.set_input_array(scales);
-  encoder.set_input_array(biases);
+  for (const auto& in : inputs) {
+    encoder.set_input_array(in);
+  }
   encoder.set_output_array(out);
   encoder.dispatch([call] { run(call); });
 }
@@ -243,14 +274,24 @@ std::vector<mx::Shape> QuantizedMatmul::output_shapes(const std::vector<mx::arra
   return {shape};
 }
 
-mx::array quantized_matmul(
-    const mx::array& x,
-    const mx::array& w,
-    const mx::array& scales,
-    const mx::array& biases,
-    int group_size,
-    int bits,
-    mx::StreamOrDevice s) {
+namespace {
+
+void check_weights(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits) {
+  if (w.dtype() != mx::uint32 || w.ndim() != 2) {
+    throw std::invalid_argument("[specmlx] w must be a 2-D uint32 array of packed codes");
+  }
+  const int N = w.shape(0), K = w.shape(1) * (32 / bits);
+  const mx::Shape sshape{N, K / group_size};
+  if (scales.shape() != sshape || biases.shape() != sshape || !is_float(scales.dtype()) ||
+      biases.dtype() != scales.dtype()) {
+    throw std::invalid_argument(
+        "[specmlx] scales and biases must both be (N, K/group_size) arrays of one float type");
+  }
+}
+
+// The op behind quantized_matmul and gated_matmul: weights is (w, scales, biases) once, or
+// twice for the gated product.
+mx::array qmm_op(const mx::array& x, const std::vector<mx::array>& weights, int group_size, int bits, mx::StreamOrDevice s) {
   const auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu) {
     throw std::invalid_argument("[specmlx] quantized_matmul runs on CPU streams only");
@@ -261,30 +302,57 @@ mx::array quantized_matmul(
   if (bits != 4 && bits != 8) {
     throw std::invalid_argument("[specmlx] bits must be 4 or 8");
   }
-  if (w.dtype() != mx::uint32 || w.ndim() != 2) {
-    throw std::invalid_argument("[specmlx] w must be a 2-D uint32 array of packed codes");
+  for (size_t i = 0; i < weights.size(); i += 3) {
+    check_weights(weights[i], weights[i + 1], weights[i + 2], group_size, bits);
   }
+  const mx::array& w = weights[0];
   const int N = w.shape(0), K = w.shape(1) * (32 / bits);
+  if (weights.size() == 6 &&
+      (weights[3].shape() != w.shape() || weights[4].dtype() != weights[1].dtype())) {
+    throw std::invalid_argument("[specmlx] the gated matmul's two matrices must have one shape and scale type");
+  }
   if (x.ndim() < 1 || x.shape(-1) != K || !is_float(x.dtype())) {
     throw std::invalid_argument(
         "[specmlx] x must be float32/bfloat16/float16 with last dimension " + std::to_string(K));
   }
-  const mx::Shape sshape{N, K / group_size};
-  if (scales.shape() != sshape || biases.shape() != sshape || !is_float(scales.dtype()) ||
-      biases.dtype() != scales.dtype()) {
-    throw std::invalid_argument(
-        "[specmlx] scales and biases must both be (N, K/group_size) arrays of one float type");
-  }
   auto out_shape = x.shape();
   out_shape.back() = N;
+  std::vector<mx::array> inputs{row_contiguous(x, stream)};
+  for (const auto& a : weights) {
+    inputs.push_back(row_contiguous(a, stream));
+  }
   return mx::array(
       std::move(out_shape),
-      mx::promote_types(x.dtype(), scales.dtype()),
+      mx::promote_types(x.dtype(), weights[1].dtype()),
       std::make_shared<QuantizedMatmul>(stream, group_size, bits),
-      {row_contiguous(x, stream),
-       row_contiguous(w, stream),
-       row_contiguous(scales, stream),
-       row_contiguous(biases, stream)});
+      std::move(inputs));
+}
+
+} // namespace
+
+mx::array quantized_matmul(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits,
+    mx::StreamOrDevice s) {
+  return qmm_op(x, {w, scales, biases}, group_size, bits, s);
+}
+
+mx::array gated_matmul(
+    const mx::array& x,
+    const mx::array& w_gate,
+    const mx::array& scales_gate,
+    const mx::array& biases_gate,
+    const mx::array& w_up,
+    const mx::array& scales_up,
+    const mx::array& biases_up,
+    int group_size,
+    int bits,
+    mx::StreamOrDevice s) {
+  return qmm_op(x, {w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up}, group_size, bits, s);
 }
 
 int threads() {

@@ -23,6 +23,21 @@ mx::array quantized_matmul(
     int bits,
     mx::StreamOrDevice s = {});
 
+// silu(x @ dequantize(w_gate)^T) * (x @ dequantize(w_up)^T): a gated MLP's first half in
+// one op, x quantized once, both matrices of one shape and scale type.
+mx::array gated_matmul(
+    const mx::array& x,
+    const mx::array& w_gate,
+    const mx::array& scales_gate,
+    const mx::array& biases_gate,
+    const mx::array& w_up,
+    const mx::array& scales_up,
+    const mx::array& biases_up,
+    int group_size,
+    int bits,
+    mx::StreamOrDevice s = {});
+
+// Both ops' primitive: 4 inputs (x, w, scales, biases), or 7 for the gated product.
 class QuantizedMatmul : public mx::UnaryPrimitive {
  public:
   QuantizedMatmul(mx::Stream stream, int group_size, int bits)
