@@ -76,7 +76,7 @@ def prepare(
             f"unknown CPU weights mode {cpu_weights!r}; use one of {', '.join(CPU_WEIGHTS)}"
         )
     from .. import compiled
-    from . import attention, fp32, native
+    from . import attention, fp32, layers, native
 
     mode, why = fp32.pick_cpu_weights(module, cpu_weights, backend, use_native)
     if mode == "fp32":
@@ -91,5 +91,6 @@ def prepare(
         native.patch_mlps(module)
     if use_native:
         attention.patch_model(module)
+        layers.patch_model(module)  # before compiled: the native norms and RoPEs stay uncompiled
         compiled.patch_model(module)
     return mode, why

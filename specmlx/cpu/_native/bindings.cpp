@@ -8,6 +8,8 @@
 #include "mapped.h"
 #include "mlx/version.h"
 #include "qmm.h"
+#include "rms_norm.h"
+#include "rope.h"
 #include "softmax.h"
 
 namespace nb = nanobind;
@@ -61,6 +63,29 @@ NB_MODULE(_ext, m) {
       "group_size"_a = 64,
       "bits"_a = 4,
       "silu(x @ dequantize(w_gate).T) * (x @ dequantize(w_up).T), x quantized once, on the "
+      "default CPU stream.");
+  m.def(
+      "rope",
+      [](const specmlx::mx::array& x, int dims, bool traditional, float base, float scale, const specmlx::mx::array& offset) {
+        return specmlx::rope(x, dims, traditional, base, scale, offset);
+      },
+      "x"_a,
+      "dims"_a,
+      "traditional"_a,
+      "base"_a,
+      "scale"_a,
+      "offset"_a,
+      "mx.fast.rope's rotation of a float32 (B, H, T, D) array by positions offset + t (one "
+      "int32 offset), on the default CPU stream.");
+  m.def(
+      "rms_norm",
+      [](const specmlx::mx::array& x, const specmlx::mx::array& weight, float eps) {
+        return specmlx::rms_norm(x, weight, eps);
+      },
+      "x"_a,
+      "weight"_a,
+      "eps"_a,
+      "weight * x * rsqrt(mean(x^2) + eps) over the last axis of float32 rows, on the "
       "default CPU stream.");
   m.def(
       "softmax",

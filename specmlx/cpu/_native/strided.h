@@ -1,0 +1,36 @@
+// Reading an input through its strides, so that an op takes views as they are: an
+// mx::contiguous node in front of every call costs MLX's per-op dispatch even when it
+// copies nothing, and an input is rarely evaluated (its layout known) when the graph is built.
+#pragma once
+
+#include <vector>
+
+#include "mlx/array.h"
+
+namespace specmlx {
+
+// x's elements in row-major order: x's own buffer when it is row-contiguous, else a copy
+// gathered through its strides into scratch.
+template <typename T>
+const T* row_major(const mlx::core::array& x, std::vector<T>& scratch) {
+  if (x.flags().row_contiguous) {
+    return x.data<T>();
+  }
+  scratch.resize(x.size());
+  const T* src = x.data<T>();
+  const int nd = x.ndim();
+  std::vector<int> index(nd, 0);
+  for (size_t i = 0; i < x.size(); ++i) {
+    int64_t at = 0;
+    for (int d = 0; d < nd; ++d) {
+      at += int64_t(index[d]) * int64_t(x.strides(d));
+    }
+    scratch[i] = src[at];
+    for (int d = nd - 1; d >= 0 && ++index[d] == x.shape(d); --d) {
+      index[d] = 0;
+    }
+  }
+  return scratch.data();
+}
+
+} // namespace specmlx
