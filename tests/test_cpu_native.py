@@ -394,3 +394,29 @@ def test_softmax_falls_back_to_mlx(monkeypatch):
         assert mx.array_equal(native.softmax(x.astype(dtype)), mx.softmax(x.astype(dtype), axis=-1))
     monkeypatch.setattr(native, "_ext", None)
     assert mx.array_equal(native.softmax(x), mx.softmax(x, axis=-1)).item()
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_a_bias_in_the_op_is_bitwise_mlxs_add(dtype):
+    w, scales, biases = quantized(96, 128, dtype=dtype)
+    bias = mx.random.normal((96,)).astype(dtype)
+    x = mx.random.normal((2, 3, 128))  # float32 x: a float32 product whatever the scales
+    fused = native._ext.quantized_matmul(x, w, scales, biases, 64, 4, bias)
+    apart = native._ext.quantized_matmul(x, w, scales, biases, 64, 4) + bias
+    assert fused.dtype == mx.float32
+    assert mx.array_equal(fused, apart)
+
+
+@needs_native
+def test_a_bias_on_a_half_product_is_refused_and_the_layer_adds_it_apart():
+    w, scales, biases = quantized(96, 128, dtype=mx.float16)
+    bias = mx.random.normal((96,)).astype(mx.float16)
+    x = mx.random.normal((3, 128)).astype(mx.float16)
+    with pytest.raises(ValueError, match="float32 product"):
+        native._ext.quantized_matmul(x, w, scales, biases, 64, 4, bias)
+    layer = nn.QuantizedLinear(128, 96, bias=True, group_size=64, bits=4)
+    layer.update({"weight": w, "scales": scales, "biases": biases, "bias": bias})
+    native.patch_model(layer)
+    want = native._ext.quantized_matmul(x, w, scales, biases, 64, 4) + bias
+    assert mx.array_equal(layer(x), want)

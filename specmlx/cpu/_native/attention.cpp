@@ -25,6 +25,7 @@
 #include <utility>
 
 #include "kernels.h"
+#include "strided.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "qmm.h"
 #include "thread_pool.h"
@@ -521,14 +522,16 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
       window_,
       key_start_,
       rotation_};
-  // q is row-contiguous (the op made it so); k and v are read in place through their
+  // q is gathered row-contiguous if it is not; k and v are read in place through their
   // strides unless their D axis is not contiguous. MLX keeps the buffers alive until the
   // stream has run this task.
   const bool k_dense = k.strides()[3] == 1 || k.shape(3) == 1;
   const bool v_dense = v.strides()[3] == 1 || v.shape(3) == 1;
-  encoder.dispatch([call, k, v, k_dense, v_dense]() mutable {
+  encoder.dispatch([call, q, k, v, k_dense, v_dense]() mutable {
     thread_local std::unique_ptr<float[]> kbuf, vbuf;
     thread_local size_t kcap = 0, vcap = 0;
+    thread_local std::vector<float> qbuf;
+    call.q = row_major(q, qbuf);
     const int64_t L = call.Lk, D = call.D, H = call.Hkv;
     if (!k_dense) {
       call.k = gather(k, kbuf, kcap);
@@ -587,7 +590,7 @@ mx::array scaled_dot_product_attention(
     throw std::invalid_argument(
         "[specmlx] attention: window >= 0 (causal only), key_start >= 0 and 0 <= rotation < Lk");
   }
-  std::vector<mx::array> inputs = {mx::contiguous(q, false, stream), k, v};
+  std::vector<mx::array> inputs = {q, k, v};  // q as it is: see eval_cpu
   if (sinks) {
     if (sinks->dtype() != mx::float32 || sinks->ndim() != 1 || sinks->shape(0) != q.shape(1)) {
       throw std::invalid_argument("[specmlx] attention takes float32 sinks of shape (Hq,)");

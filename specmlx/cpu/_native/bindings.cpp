@@ -32,14 +32,19 @@ NB_MODULE(_ext, m) {
          const specmlx::mx::array& scales,
          const specmlx::mx::array& biases,
          int group_size,
-         int bits) { return specmlx::quantized_matmul(x, w, scales, biases, group_size, bits); },
+         int bits,
+         const std::optional<specmlx::mx::array>& bias) {
+        return specmlx::quantized_matmul(x, w, scales, biases, group_size, bits, bias);
+      },
       "x"_a,
       "w"_a,
       "scales"_a,
       "biases"_a,
       "group_size"_a = 64,
       "bits"_a = 4,
-      "x @ dequantize(w, scales, biases).T for 4/8-bit affine weights on the default CPU stream.");
+      "bias"_a = nb::none(),
+      "x @ dequantize(w, scales, biases).T (+ bias, (N,) of the scales' type, on a float32 "
+      "product) for 4/8-bit affine weights on the default CPU stream.");
   m.def(
       "gated_matmul",
       [](const specmlx::mx::array& x,

@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <type_traits>
 
 #include "kernels.h"
+#include "strided.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "thread_pool.h"
 
@@ -131,7 +133,8 @@ struct Call {
   mx::Dtype x_type;
   Weights a;
   Weights b;  // the gated matmul's second matrix (up); w null for a plain matmul
-  ScaleType stype;
+  const void* bias;  // (N,) added to a plain matmul's float32 output; null for none
+  ScaleType stype;  // of the scales, biases and bias
   void* out;
   mx::Dtype out_type;
   int M, N, K, group_size, bits;
@@ -195,6 +198,14 @@ void run(const Call& c) {
     const int p0 = int(int64_t(pairs) * t / n_threads), p1 = int(int64_t(pairs) * (t + 1) / n_threads);
     const int n0 = 2 * p0, n1 = std::min(c.N, 2 * p1);
     rows(isa, job, n0, n1);
+    if (c.bias != nullptr) {
+      for (int m = 0; m < c.M; ++m) {
+        float* row = y + size_t(m) * c.N;
+        for (int n = n0; n < n1; ++n) {
+          row[n] += scale_at(c.bias, n, c.stype);  // the one rounding of MLX's y + bias
+        }
+      }
+    }
     if (gated) {
       rows(isa, up, n0, n1);
       for (int m = 0; m < c.M; ++m) {
@@ -227,7 +238,6 @@ mx::array row_contiguous(const mx::array& x, mx::Stream s) {
 void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const auto& x = inputs[0];
   const auto& w = inputs[1];
-  const bool gated = inputs.size() == 7;  // + the up matrix's w, scales, biases
   out.set_data(mx::allocator::malloc(out.nbytes()));
   if (out.size() == 0) {
     return;
@@ -236,11 +246,12 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
   const auto weights = [&](int i) {
     return Weights{inputs[i].data<uint32_t>(), inputs[i + 1].data<void>(), inputs[i + 2].data<void>()};
   };
-  const Call call{
-      x.data<void>(),
+  Call call{
+      nullptr,  // x: set in the task, where its layout is known
       x.dtype(),
       weights(1),
-      gated ? weights(4) : Weights{nullptr, nullptr, nullptr},
+      gated_ ? weights(4) : Weights{nullptr, nullptr, nullptr},
+      biased_ ? inputs.back().data<void>() : nullptr,
       scale_type(inputs[2].dtype()),
       out.data<void>(),
       out.dtype(),
@@ -249,14 +260,20 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
       K,
       group_size_,
       bits_};
-  // The op made every input row-contiguous, so raw pointers describe them fully. MLX keeps
-  // input and output buffers alive until the stream has run this task.
+  // The weights are row-contiguous (the op made them so) and x is gathered so in the task
+  // if it is not; MLX keeps input and output buffers alive until the stream has run it.
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& in : inputs) {
     encoder.set_input_array(in);
   }
   encoder.set_output_array(out);
-  encoder.dispatch([call] { run(call); });
+  encoder.dispatch([call, x]() mutable {
+    thread_local std::vector<float> x32;
+    thread_local std::vector<uint16_t> x16;
+    call.x = x.dtype() == mx::float32 ? static_cast<const void*>(row_major(x, x32))
+                                      : static_cast<const void*>(row_major(x, x16));
+    run(call);
+  });
 }
 
 void QuantizedMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
@@ -265,7 +282,7 @@ void QuantizedMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 
 bool QuantizedMatmul::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const QuantizedMatmul&>(other);
-  return group_size_ == o.group_size_ && bits_ == o.bits_;
+  return group_size_ == o.group_size_ && bits_ == o.bits_ && gated_ == o.gated_ && biased_ == o.biased_;
 }
 
 std::vector<mx::Shape> QuantizedMatmul::output_shapes(const std::vector<mx::array>& inputs) {
@@ -290,8 +307,14 @@ void check_weights(const mx::array& w, const mx::array& scales, const mx::array&
 }
 
 // The op behind quantized_matmul and gated_matmul: weights is (w, scales, biases) once, or
-// twice for the gated product.
-mx::array qmm_op(const mx::array& x, const std::vector<mx::array>& weights, int group_size, int bits, mx::StreamOrDevice s) {
+// twice for the gated product; bias (plain products only) is added to the output.
+mx::array qmm_op(
+    const mx::array& x,
+    const std::vector<mx::array>& weights,
+    const std::optional<mx::array>& bias,
+    int group_size,
+    int bits,
+    mx::StreamOrDevice s) {
   const auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu) {
     throw std::invalid_argument("[specmlx] quantized_matmul runs on CPU streams only");
@@ -315,16 +338,24 @@ mx::array qmm_op(const mx::array& x, const std::vector<mx::array>& weights, int 
     throw std::invalid_argument(
         "[specmlx] x must be float32/bfloat16/float16 with last dimension " + std::to_string(K));
   }
+  const auto out_type = mx::promote_types(x.dtype(), weights[1].dtype());
+  if (bias && (out_type != mx::float32 || bias->shape() != mx::Shape{N} || bias->dtype() != weights[1].dtype())) {
+    throw std::invalid_argument(
+        "[specmlx] a bias must be (N,), of the scales' type, on a float32 product");
+  }
   auto out_shape = x.shape();
   out_shape.back() = N;
-  std::vector<mx::array> inputs{row_contiguous(x, stream)};
+  std::vector<mx::array> inputs{x};  // as it is: the task gathers a view (see eval_cpu)
   for (const auto& a : weights) {
     inputs.push_back(row_contiguous(a, stream));
   }
+  if (bias) {
+    inputs.push_back(row_contiguous(*bias, stream));
+  }
   return mx::array(
       std::move(out_shape),
-      mx::promote_types(x.dtype(), weights[1].dtype()),
-      std::make_shared<QuantizedMatmul>(stream, group_size, bits),
+      out_type,
+      std::make_shared<QuantizedMatmul>(stream, group_size, bits, weights.size() == 6, bias.has_value()),
       std::move(inputs));
 }
 
@@ -337,8 +368,9 @@ mx::array quantized_matmul(
     const mx::array& biases,
     int group_size,
     int bits,
+    const std::optional<mx::array>& bias,
     mx::StreamOrDevice s) {
-  return qmm_op(x, {w, scales, biases}, group_size, bits, s);
+  return qmm_op(x, {w, scales, biases}, bias, group_size, bits, s);
 }
 
 mx::array gated_matmul(
@@ -352,7 +384,7 @@ mx::array gated_matmul(
     int group_size,
     int bits,
     mx::StreamOrDevice s) {
-  return qmm_op(x, {w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up}, group_size, bits, s);
+  return qmm_op(x, {w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up}, std::nullopt, group_size, bits, s);
 }
 
 int threads() {

@@ -2,6 +2,8 @@
 // affine weights.
 #pragma once
 
+#include <optional>
+
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
 
@@ -13,7 +15,8 @@ namespace mx = mlx::core;
 
 // x: (..., K) float32/bfloat16/float16; w: (N, K*bits/32) uint32; scales, biases:
 // (N, K/group_size) float32/bfloat16/float16. Returns (..., N) in promote_types(x, scales),
-// like mx.quantized_matmul(..., transpose=True, bits=bits). CPU streams only.
+// like mx.quantized_matmul(..., transpose=True, bits=bits), plus `bias` ((N,), of the
+// scales' type; a float32 product only) if given. CPU streams only.
 mx::array quantized_matmul(
     const mx::array& x,
     const mx::array& w,
@@ -21,6 +24,7 @@ mx::array quantized_matmul(
     const mx::array& biases,
     int group_size,
     int bits,
+    const std::optional<mx::array>& bias = std::nullopt,
     mx::StreamOrDevice s = {});
 
 // silu(x @ dequantize(w_gate)^T) * (x @ dequantize(w_up)^T): a gated MLP's first half in
@@ -37,11 +41,12 @@ mx::array gated_matmul(
     int bits,
     mx::StreamOrDevice s = {});
 
-// Both ops' primitive: 4 inputs (x, w, scales, biases), or 7 for the gated product.
+// Both ops' primitive: inputs x, w, scales, biases; then the up matrix's three for the
+// gated product; then the bias, if any.
 class QuantizedMatmul : public mx::UnaryPrimitive {
  public:
-  QuantizedMatmul(mx::Stream stream, int group_size, int bits)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+  QuantizedMatmul(mx::Stream stream, int group_size, int bits, bool gated, bool biased)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), gated_(gated), biased_(biased) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
@@ -55,6 +60,8 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
  private:
   int group_size_;
   int bits_;
+  bool gated_;
+  bool biased_;
 };
 
 // Settings visible from Python (for tests and benchmarks).

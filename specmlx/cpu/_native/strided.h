@@ -9,15 +9,16 @@
 
 namespace specmlx {
 
-// x's elements in row-major order: x's own buffer when it is row-contiguous, else a copy
-// gathered through its strides into scratch.
+// x's elements (of T's size) in row-major order: x's own buffer when it is row-contiguous,
+// else a copy gathered through its strides into scratch. For use inside an op's task, where
+// x's layout is known.
 template <typename T>
 const T* row_major(const mlx::core::array& x, std::vector<T>& scratch) {
   if (x.flags().row_contiguous) {
     return x.data<T>();
   }
   scratch.resize(x.size());
-  const T* src = x.data<T>();
+  const T* src = static_cast<const T*>(x.data<void>());
   const int nd = x.ndim();
   std::vector<int> index(nd, 0);
   for (size_t i = 0; i < x.size(); ++i) {
