@@ -81,8 +81,10 @@ constexpr int kPrefetchBytes = 8 << 10;
 
 // Prefetch one chunk's share of the weights ahead (see kPrefetchBytes): `bytes` of flat
 // memory, a whole number of cache lines, from pair + kPrefetchBytes + bytes * chunk.
+// Forced inline: GCC takes a function of prefetches alone for one without effects, and
+// dropped a call to it made from another inlined helper (a tried variant of the tiles).
 template <int Bytes>
-inline void prefetch_ahead(const uint8_t* pair, int chunk) {
+inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t* pair, int chunk) {
   const char* p = reinterpret_cast<const char*>(pair) + kPrefetchBytes + size_t(Bytes) * chunk;
   for (int off = 0; off < Bytes; off += 64) {
     _mm_prefetch(p + off, _MM_HINT_T0);
