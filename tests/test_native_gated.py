@@ -50,13 +50,14 @@ def activations(request):
 @needs_gated
 @pytest.mark.parametrize("m", [1, 2, 5, 17])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_is_mlx_silu_of_the_kernels_products(m, bits, isa, activations):
+@pytest.mark.parametrize("activation", ["silu", "gelu_approx"])
+def test_is_mlx_activation_of_the_kernels_products(m, bits, activation, isa, activations):
     gate, up = layers(bits=bits)
-    x = mx.random.normal((1, m, 256))
-    want = nn.silu(gate(x)) * up(x)
-    got = native.gated_matmul(x, gate, up)
-    # Only the sigmoid differs (a vector exp against MLX's): a few float32 ulps.
-    assert mx.allclose(got, want, rtol=1e-6, atol=1e-6).item()
+    x = mx.random.normal((1, m, 256)) * 4
+    want = native.GATE_ACTIVATIONS[activation](gate(x)) * up(x)
+    got = native.gated_matmul(x, gate, up, activation)
+    # Only the activation's rounding differs (a vector exp against MLX's sigmoid or tanh).
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()
 
 
 @needs_gated
@@ -76,10 +77,11 @@ def test_avx2_and_avx512_agree_to_the_bit():
         pytest.skip("needs AVX-512 to compare with")
     gate, up = layers(n=1000)
     x = mx.random.normal((1, 3, 256)) * 8  # large |g|: both tails of the sigmoid
-    wide = native.gated_matmul(x, gate, up)
+    wide = [native.gated_matmul(x, gate, up, a) for a in native.GATE_ACTIVATIONS]
     native._ext.set_isa("avx2")
     try:
-        assert mx.array_equal(native.gated_matmul(x, gate, up), wide)
+        narrow = [native.gated_matmul(x, gate, up, a) for a in native.GATE_ACTIVATIONS]
+        assert all(mx.array_equal(a, b) for a, b in zip(narrow, wide, strict=True))
     finally:
         native._ext.set_isa("avx512")
 
@@ -105,13 +107,14 @@ def test_layers_the_op_cannot_pair_take_the_two_matmuls():
         assert mx.array_equal(native.gated_matmul(x, gate, other), nn.silu(gate(x)) * other(x))
 
 
-def test_mlx_lm_silu_mlps_are_recognised():
-    from mlx_lm.models import gemma3_text, llama, qwen2, qwen3
+def test_mlx_lm_gated_mlps_are_recognised_with_their_activation():
+    from mlx_lm.models import gemma3_text, llama, qwen2, qwen3, starcoder2
 
-    assert native._silu_gated(llama.MLP)  # nn.silu(gate) * up
-    assert native._silu_gated(qwen2.MLP)  # swiglu(gate, up)
-    assert native._silu_gated(qwen3.MLP)
-    assert not native._silu_gated(gemma3_text.MLP)  # gelu_approx
+    assert native._gated_activation(llama.MLP) == "silu"  # nn.silu(gate) * up
+    assert native._gated_activation(qwen2.MLP) == "silu"  # swiglu(gate, up)
+    assert native._gated_activation(qwen3.MLP) == "silu"
+    assert native._gated_activation(gemma3_text.MLP) == "gelu_approx"
+    assert native._gated_activation(starcoder2.MLP) is None  # not gated
 
 
 def test_a_variant_of_the_body_is_not_recognised():
@@ -125,8 +128,8 @@ def test_a_variant_of_the_body_is_not_recognised():
         def __call__(self, x):
             return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x)) * 2
 
-    assert not native._silu_gated(Clamped)
-    assert not native._silu_gated(Scaled)
+    assert native._gated_activation(Clamped) is None
+    assert native._gated_activation(Scaled) is None
 
 
 @needs_gated

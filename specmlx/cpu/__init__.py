@@ -46,11 +46,13 @@ def __getattr__(name: str):
 
 def describe() -> str:
     """One line for stats, benchmarks and the cost cache's keys: which INT4 matmul runs,
-    and how, which attention, and whether the layers' small modules are compiled."""
+    and how, which attention, whether norms, RoPE and gated MLPs run as native ops, and
+    whether the layers' small modules are compiled."""
     from .. import compiled
-    from . import attention, native
+    from . import attention, layers, native
 
-    return f"{native.describe()}; {attention.describe()}; {compiled.describe()}"
+    parts = (native.describe(), attention.describe(), layers.describe(), compiled.describe())
+    return "; ".join(parts)
 
 
 def prepare(

@@ -63,6 +63,13 @@ class NativeRoPE(nn.RoPE):
 SWAPS = {nn.RMSNorm: NativeRMSNorm, nn.RoPE: NativeRoPE}
 
 
+def describe() -> str:
+    """Whether the native norm, RoPE and gated-MLP ops run (a part of the kernel line)."""
+    if _ext_op("rope") is None:
+        return "MLX norms and RoPE"
+    return "native RMSNorm, RoPE and gated MLPs"
+
+
 def patch_model(module: nn.Module) -> int:
     """Swap the model's nn.RMSNorm and nn.RoPE layers for the native ones; how many (0 on
     the GPU, or without the kernel)."""

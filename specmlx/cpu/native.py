@@ -266,9 +266,15 @@ def softmax(x: mx.array) -> mx.array:
     return mx.softmax(x, axis=-1)
 
 
-def gated_matmul(x: mx.array, gate: nn.QuantizedLinear, up: nn.QuantizedLinear) -> mx.array:
-    """silu(gate(x)) * up(x): the native gated op (x quantized once, one dispatch, a vector
-    sigmoid) where both layers and the call suit it, else the two layers and MLX's silu."""
+GATE_ACTIVATIONS = {"silu": nn.silu, "gelu_approx": nn.gelu_approx}
+
+
+def gated_matmul(
+    x: mx.array, gate: nn.QuantizedLinear, up: nn.QuantizedLinear, activation: str = "silu"
+) -> mx.array:
+    """act(gate(x)) * up(x), act silu or gelu_approx: the native gated op (x quantized
+    once, one dispatch, a vector sigmoid) where both layers and the call suit it, else the
+    two layers and MLX's activation."""
     op = getattr(_ext, "gated_matmul", None)  # None too in a build from before it existed
     if (
         op is not None
@@ -294,8 +300,9 @@ def gated_matmul(x: mx.array, gate: nn.QuantizedLinear, up: nn.QuantizedLinear) 
             up["biases"],
             gate.group_size,
             gate.bits,
+            activation,
         )
-    return nn.silu(gate(x)) * up(x)
+    return GATE_ACTIVATIONS[activation](gate(x)) * up(x)
 
 
 class NativeQuantizedLinear(nn.QuantizedLinear):
@@ -352,63 +359,74 @@ class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
         )
 
 
-# The bodies of mlx-lm's silu-gated MLPs (Llama, Qwen2/3, Mistral and ~45 others), each
-# with the names it must resolve to: an MLP is given the gated op only when its __call__
-# is exactly one of these, so a variant (a clamp, another activation) never is.
-SILU_GATED_BODIES = {
-    "return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))": "swiglu",
-    "return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))": "nn",
+# The bodies of mlx-lm's gated MLPs (silu: Llama, Qwen2/3, Mistral and ~45 others;
+# gelu_approx: Gemma), each with its activation and the name it must resolve to: an MLP is
+# given the gated op only when its __call__ is exactly one of these, so a variant (a clamp,
+# another activation) never is.
+GATED_BODIES = {
+    "return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))": ("silu", "swiglu"),
+    "return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))": ("silu", "nn"),
+    "return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))": (
+        "gelu_approx",
+        "nn",
+    ),
 }
 
 
-def _silu_gated(cls: type) -> bool:
-    """Whether cls.__call__(self, x) is down_proj(silu(gate_proj(x)) * up_proj(x))."""
+def _gated_activation(cls: type) -> str | None:
+    """The activation of cls.__call__(self, x) if it is down_proj(act(gate_proj(x)) *
+    up_proj(x)) for an activation the gated op has, else None."""
     from mlx_lm.models import activations
 
     call = cls.__call__
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(call)))
     except (OSError, TypeError, SyntaxError):
-        return False
+        return None
     fn = tree.body[0] if tree.body else None
     if not isinstance(fn, ast.FunctionDef) or [a.arg for a in fn.args.args] != ["self", "x"]:
-        return False
+        return None
     body = [
         stmt
         for stmt in fn.body
         if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant))
     ]
     if len(body) != 1:
-        return False
+        return None
     names = {"swiglu": activations.swiglu, "nn": nn}
-    for text, name in SILU_GATED_BODIES.items():
+    for text, (activation, name) in GATED_BODIES.items():
         if ast.dump(body[0]) == ast.dump(ast.parse(text).body[0]):
-            return call.__globals__.get(name) is names[name]
-    return False
+            return activation if call.__globals__.get(name) is names[name] else None
+    return None
 
 
 class _GatedMLP:
-    """Mixed in before a silu-gated MLP's class: its gate and up projections run as one
-    native gated op."""
+    """Mixed in before a gated MLP's class: its gate and up projections run as one native
+    gated op (`_activation` set per class)."""
+
+    _activation: str
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(gated_matmul(x, self.gate_proj, self.up_proj))
+        return self.down_proj(gated_matmul(x, self.gate_proj, self.up_proj, self._activation))
 
 
 _gated_classes: dict[type, type | None] = {}
 
 
 def _gated_class(cls: type) -> type | None:
-    """cls with _GatedMLP mixed in, or None where cls is not a silu-gated MLP."""
+    """cls with _GatedMLP mixed in, or None where cls is not a gated MLP the op has."""
     if cls not in _gated_classes:
+        activation = _gated_activation(cls)
         _gated_classes[cls] = (
-            type(f"NativeGated{cls.__name__}", (_GatedMLP, cls), {}) if _silu_gated(cls) else None
+            None
+            if activation is None
+            else type(f"NativeGated{cls.__name__}", (_GatedMLP, cls), {"_activation": activation})
         )
     return _gated_classes[cls]
 
 
 def patch_mlps(module: nn.Module) -> int:
-    """Give the model's silu-gated MLPs whose gate and up projections run on the kernel the
+    """Give the model's gated MLPs whose gate and up projections run on the kernel the
     gated op; returns how many. Call after patch_model."""
     if getattr(_ext, "gated_matmul", None) is None:
         return 0

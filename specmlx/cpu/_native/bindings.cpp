@@ -55,8 +55,10 @@ NB_MODULE(_ext, m) {
          const specmlx::mx::array& scales_up,
          const specmlx::mx::array& biases_up,
          int group_size,
-         int bits) {
-        return specmlx::gated_matmul(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, group_size, bits);
+         int bits,
+         const std::string& activation) {
+        return specmlx::gated_matmul(
+            x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, group_size, bits, activation);
       },
       "x"_a,
       "w_gate"_a,
@@ -67,8 +69,9 @@ NB_MODULE(_ext, m) {
       "biases_up"_a,
       "group_size"_a = 64,
       "bits"_a = 4,
-      "silu(x @ dequantize(w_gate).T) * (x @ dequantize(w_up).T), x quantized once, on the "
-      "default CPU stream.");
+      "activation"_a = "silu",
+      "act(x @ dequantize(w_gate).T) * (x @ dequantize(w_up).T), act 'silu' or 'gelu_approx', "
+      "x quantized once, on the default CPU stream.");
   m.def(
       "rope",
       [](const specmlx::mx::array& x, int dims, bool traditional, float base, float scale, const specmlx::mx::array& offset) {

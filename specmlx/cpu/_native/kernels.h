@@ -103,7 +103,8 @@ void quantize_row_q8(const float* x, int K, int group_size, int bits, Isa isa, i
 // Output rows [n0, n1) for all M rows of the quantized x; 4 or 8 bits.
 void qmm_rows_q8(Isa isa, const QmmJob& job, int n0, int n1);
 
-// out[i] = silu(g[i]) * u[i] for i < n (silu.cpp); out may be g or u.
-void silu_mul(Isa isa, const float* g, const float* u, float* out, int n);
+// A gated MLP's activation: out[i] = act(g[i]) * u[i] for i < n (gate.cpp); out may be g or u.
+enum class GateAct { silu, gelu_approx };
+void gate(Isa isa, GateAct act, const float* g, const float* u, float* out, int n);
 
 } // namespace specmlx

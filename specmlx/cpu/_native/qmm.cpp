@@ -134,6 +134,7 @@ struct Call {
   Weights a;
   Weights b;  // the gated matmul's second matrix (up); w null for a plain matmul
   const void* bias;  // (N,) added to a plain matmul's float32 output; null for none
+  GateAct act;  // the gated product's activation
   ScaleType stype;  // of the scales, biases and bias
   void* out;
   mx::Dtype out_type;
@@ -168,7 +169,7 @@ void prepare_x(const Call& c, Isa isa, bool q8, QmmJob& job) {
   }
 }
 
-// x @ a^T, or with b: silu(x @ a^T) * (x @ b^T). Each thread takes a range of output
+// x @ a^T, or with b: act(x @ a^T) * (x @ b^T). Each thread takes a range of output
 // columns, of both products, and applies the activation to its own range.
 void run(const Call& c) {
   thread_local std::unique_ptr<float[]> y_buf, u_buf;
@@ -210,7 +211,7 @@ void run(const Call& c) {
       rows(isa, up, n0, n1);
       for (int m = 0; m < c.M; ++m) {
         const size_t at = size_t(m) * c.N + n0;
-        silu_mul(isa, y + at, up.y + at, y + at, n1 - n0);
+        gate(isa, c.act, y + at, up.y + at, y + at, n1 - n0);
       }
     }
   });
@@ -252,6 +253,7 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
       weights(1),
       gated_ ? weights(4) : Weights{nullptr, nullptr, nullptr},
       biased_ ? inputs.back().data<void>() : nullptr,
+      act_,
       scale_type(inputs[2].dtype()),
       out.data<void>(),
       out.dtype(),
@@ -282,7 +284,8 @@ void QuantizedMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 
 bool QuantizedMatmul::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const QuantizedMatmul&>(other);
-  return group_size_ == o.group_size_ && bits_ == o.bits_ && gated_ == o.gated_ && biased_ == o.biased_;
+  return group_size_ == o.group_size_ && bits_ == o.bits_ && gated_ == o.gated_ && biased_ == o.biased_ &&
+      act_ == o.act_;
 }
 
 std::vector<mx::Shape> QuantizedMatmul::output_shapes(const std::vector<mx::array>& inputs) {
@@ -312,6 +315,7 @@ mx::array qmm_op(
     const mx::array& x,
     const std::vector<mx::array>& weights,
     const std::optional<mx::array>& bias,
+    GateAct act,
     int group_size,
     int bits,
     mx::StreamOrDevice s) {
@@ -355,7 +359,7 @@ mx::array qmm_op(
   return mx::array(
       std::move(out_shape),
       out_type,
-      std::make_shared<QuantizedMatmul>(stream, group_size, bits, weights.size() == 6, bias.has_value()),
+      std::make_shared<QuantizedMatmul>(stream, group_size, bits, weights.size() == 6, bias.has_value(), act),
       std::move(inputs));
 }
 
@@ -370,7 +374,7 @@ mx::array quantized_matmul(
     int bits,
     const std::optional<mx::array>& bias,
     mx::StreamOrDevice s) {
-  return qmm_op(x, {w, scales, biases}, bias, group_size, bits, s);
+  return qmm_op(x, {w, scales, biases}, bias, GateAct::silu, group_size, bits, s);
 }
 
 mx::array gated_matmul(
@@ -383,8 +387,13 @@ mx::array gated_matmul(
     const mx::array& biases_up,
     int group_size,
     int bits,
+    const std::string& activation,
     mx::StreamOrDevice s) {
-  return qmm_op(x, {w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up}, std::nullopt, group_size, bits, s);
+  if (activation != "silu" && activation != "gelu_approx") {
+    throw std::invalid_argument("[specmlx] the gated matmul's activation is silu or gelu_approx");
+  }
+  const GateAct act = activation == "silu" ? GateAct::silu : GateAct::gelu_approx;
+  return qmm_op(x, {w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up}, std::nullopt, act, group_size, bits, s);
 }
 
 int threads() {

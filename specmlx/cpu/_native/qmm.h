@@ -3,6 +3,7 @@
 #pragma once
 
 #include <optional>
+#include <string>
 
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
@@ -27,8 +28,9 @@ mx::array quantized_matmul(
     const std::optional<mx::array>& bias = std::nullopt,
     mx::StreamOrDevice s = {});
 
-// silu(x @ dequantize(w_gate)^T) * (x @ dequantize(w_up)^T): a gated MLP's first half in
-// one op, x quantized once, both matrices of one shape and scale type.
+// act(x @ dequantize(w_gate)^T) * (x @ dequantize(w_up)^T), act "silu" or "gelu_approx": a
+// gated MLP's first half in one op, x quantized once, both matrices of one shape and scale
+// type.
 mx::array gated_matmul(
     const mx::array& x,
     const mx::array& w_gate,
@@ -39,14 +41,15 @@ mx::array gated_matmul(
     const mx::array& biases_up,
     int group_size,
     int bits,
+    const std::string& activation = "silu",
     mx::StreamOrDevice s = {});
 
 // Both ops' primitive: inputs x, w, scales, biases; then the up matrix's three for the
 // gated product; then the bias, if any.
 class QuantizedMatmul : public mx::UnaryPrimitive {
  public:
-  QuantizedMatmul(mx::Stream stream, int group_size, int bits, bool gated, bool biased)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), gated_(gated), biased_(biased) {}
+  QuantizedMatmul(mx::Stream stream, int group_size, int bits, bool gated, bool biased, GateAct act)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), gated_(gated), biased_(biased), act_(act) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
@@ -62,6 +65,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
   int bits_;
   bool gated_;
   bool biased_;
+  GateAct act_;
 };
 
 // Settings visible from Python (for tests and benchmarks).
