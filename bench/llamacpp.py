@@ -347,7 +347,9 @@ def summarize_spec(runs: list[dict]) -> dict:
             "tps": median(list(per_prompt[key].values())),
             "vs_plain": median([x for x in ratios if x is not None]),
             "alpha": sum(r["accepted"] for r in every) / drafted if drafted else None,
-            "greedy_same": sum(bool(r["same_as_plain"]) for r in every),
+            "greedy_same": None
+            if any(r["same_as_plain"] is None for r in every)
+            else sum(bool(r["same_as_plain"]) for r in every),
             "runs": len(every),
             "prompts": len(prompts),
         }
@@ -397,8 +399,13 @@ def _spec_cell(modes: dict, key: str | None) -> tuple[str, str, str, str]:
         f"{_fmt(m['tps'])} ({name})",
         _fmt(m["vs_plain"], 2, "x"),
         _fmt(m["alpha"], 2),
-        f"{m['greedy_same']}/{m['runs']}",
+        _same(m),
     )
+
+
+def _same(mode: dict) -> str:
+    """ "k/n" greedy runs equal to plain, or a dash for sampled ones."""
+    return "–" if mode["greedy_same"] is None else f"{mode['greedy_same']}/{mode['runs']}"
 
 
 def markdown(result: dict, summary: dict) -> str:
@@ -416,7 +423,8 @@ def markdown(result: dict, summary: dict) -> str:
         f"- load average (1, 5, 15 min) at start {_loads(machine['load_average'])}, "
         f"at end {_loads(result.get('load_average_end'))}",
         f"- {settings['repeat']} repeat(s), interleaved; {settings['tokens']} tokens; "
-        f"speculative: {settings['prompts']} HumanEval tune prompt(s), greedy",
+        f"speculative: {settings['prompts']} HumanEval tune prompt(s), "
+        + ("greedy" if not settings.get("temperature") else f"T = {settings['temperature']:g}"),
         f"- command: `{result['command']}`",
         "",
         "| engine | decode tok/s | pp128 tok/s | T(1) ms | T(2)/T(1) | T(4)/T(1) | T(8)/T(1) "
@@ -455,7 +463,7 @@ def markdown(result: dict, summary: dict) -> str:
             alpha = _fmt(m["alpha"], 2)
             lines.append(
                 f"| {key} | {_fmt(m['tps'])} | {_fmt(m['vs_plain'], 2, 'x')} | {alpha} "
-                f"| {m['greedy_same']}/{m['runs']} |"
+                f"| {_same(m)} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -482,6 +490,9 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--tokens", type=int, default=64, help="decoded tokens (default 64)")
     parser.add_argument("--prompts", type=int, default=4, help="HumanEval tune prompts (default 4)")
     parser.add_argument("--draft-max", default="2,4,8", help="llama.cpp draft-max values to try")
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="of the spec section (default 0: greedy)"
+    )
     parser.add_argument("--label", default=None, help="names bench/results/llamacpp-LABEL.*")
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"some of {','.join(SECTIONS)}")
     parser.add_argument(
@@ -494,6 +505,8 @@ def parse_args(argv: list[str] | None = None):
     for name in ("threads", "repeat", "tokens", "prompts", "jobs"):
         if getattr(args, name) < 1:
             raise SpecmlxError(f"--{name} must be at least 1")
+    if not 0 <= args.temperature <= 2:
+        raise SpecmlxError("--temperature must be between 0 and 2")
     if args.prompts > 40:
         raise SpecmlxError("--prompts: the HumanEval tune split has 40 prompts (ids 0-39)")
     try:
@@ -553,20 +566,34 @@ class Llama:
         command += ["-t", self.threads, "-r", "1", "-o", "json", *test]
         return parse_bench_json(run_tool(command)[0])
 
-    def generate(self, tokens: int) -> list[str]:
+    def generate(self, tokens: int, temperature: float = 0.0, seed: int = 0) -> list[str]:
         command = ["-m", str(self.ggufs["target"]), "-t", self.threads, "-c", str(CONTEXT)]
-        return [*command, "-n", str(tokens), "--temp", "0", "--no-escape"]
+        command += ["-n", str(tokens), "--temp", f"{temperature:g}", "--no-escape"]
+        # At T > 0: plain sampling (top-k, top-p and min-p off, as specmlx's defaults are)
+        # and a seed per repeat.
+        if temperature > 0:
+            command += ["--top-k", "0", "--top-p", "1", "--min-p", "0", "--seed", str(seed)]
+        return command
 
-    def plain(self, prompt: str, tokens: int) -> tuple[dict, list[str]]:
-        command = [str(self.bin / "llama-completion"), *self.generate(tokens)]
+    def plain(
+        self, prompt: str, tokens: int, temperature: float = 0.0, seed: int = 0
+    ) -> tuple[dict, list[str]]:
+        command = [str(self.bin / "llama-completion"), *self.generate(tokens, temperature, seed)]
         command += ["-no-cnv", "--no-display-prompt", "-p", prompt]
         return parse_completion(*run_tool(command)), command
 
     def speculative(
-        self, tool: str, prompt: str, tokens: int, draft_max: int
+        self,
+        tool: str,
+        prompt: str,
+        tokens: int,
+        draft_max: int,
+        temperature: float = 0.0,
+        seed: int = 0,
     ) -> tuple[dict, list[str]]:
         flags = self.flags[tool]
-        command = [str(self.bin / tool), *self.generate(tokens), "-md", str(self.ggufs["draft"])]
+        command = [str(self.bin / tool), *self.generate(tokens, temperature, seed)]
+        command += ["-md", str(self.ggufs["draft"])]
         command += [flags["draft_max"], str(draft_max)]
         if flags["draft_threads"]:
             command += [flags["draft_threads"], self.threads]
@@ -686,9 +713,10 @@ def render(target, text: str) -> tuple[str, list[int]]:
 
 
 def measure_spec(result: dict, llama: Llama, target, draft, args) -> None:
-    """Greedy speculative decoding with the 0.5B draft on HumanEval tune prompts: each
-    engine's plain decoding, llama.cpp's two speculative tools at each draft-max, and
-    specmlx's default --draft auto; every text checked against its engine's plain text."""
+    """Speculative decoding with the 0.5B draft on HumanEval tune prompts, greedy or at
+    --temperature: each engine's plain decoding, llama.cpp's two speculative tools at each
+    draft-max, and specmlx's default (auto); a greedy text is checked against its engine's
+    plain text (a sampled one has nothing to equal: seed r for repeat r, both engines)."""
     from specmlx.bench.suite import read_suite, select_prompts
 
     prompts = select_prompts(read_suite(), "tune", ["humaneval"], args.prompts)
@@ -712,7 +740,10 @@ def spec_prompt(
         run["tps"] = run["tokens"] / run["decode_s"] if run["decode_s"] else 0.0
         if mode == "plain":
             plain_text.setdefault(engine, run["text"])
-        run["same_as_plain"] = same_text(run["text"], plain_text.get(engine, ""))
+        greedy = args.temperature == 0
+        run["same_as_plain"] = (
+            same_text(run["text"], plain_text.get(engine, "")) if greedy else None
+        )
         out["runs"].append(run)
         name = mode + (f" draft-max {draft_max}" if draft_max else "")
         alpha = f", α {run['accepted'] / run['drafted']:.2f}" if run["drafted"] else ""
@@ -722,18 +753,27 @@ def spec_prompt(
         )
 
     def llama_run(r: int) -> None:
-        run, command = llama.plain(rendered, args.tokens)
+        run, command = llama.plain(rendered, args.tokens, args.temperature, r)
         out["commands"]["llama-completion"] = [*command[:-1], "<prompt>"]
         record("llama.cpp", "plain", r, run)
         for tool in ("llama-speculative-simple", "llama-speculative"):
             for d in args.draft_max:
-                run, command = llama.speculative(tool, rendered, args.tokens, d)
+                run, command = llama.speculative(
+                    tool, rendered, args.tokens, d, args.temperature, r
+                )
                 out["commands"][tool] = [*command[:-1], "<prompt>"]
                 record("llama.cpp", tool.removeprefix("llama-"), r, run, d)
 
     def specmlx_run(r: int) -> None:
         for mode, model in (("plain", None), ("auto", draft)):
-            gen = generate(target, ids, draft=model, max_tokens=args.tokens).run()
+            gen = generate(
+                target,
+                ids,
+                draft=model,
+                max_tokens=args.tokens,
+                temperature=args.temperature,
+                seed=r,
+            ).run()
             s = gen.stats
             run = {
                 "text": gen.text,
@@ -800,6 +840,7 @@ def main(argv: list[str] | None = None) -> None:
             "tokens": args.tokens,
             "prompts": args.prompts,
             "draft_max": args.draft_max,
+            "temperature": args.temperature,
             "only": args.only,
         },
         "llama_cpp": {

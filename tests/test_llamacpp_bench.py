@@ -108,6 +108,26 @@ def test_defaults_are_the_full_run(bench):
     assert args.draft_max == [2, 4, 8]
 
 
+def test_sampled_runs_give_both_engines_the_same_seed_and_plain_sampling(bench):
+    llama = bench.Llama.__new__(bench.Llama)
+    llama.bin, llama.ggufs, llama.threads = Path("/x"), {"target": Path("t.gguf")}, "2"
+    greedy, sampled = llama.generate(16), llama.generate(16, 1.0, seed=3)
+    assert greedy[greedy.index("--temp") + 1] == "0" and "--seed" not in greedy
+    assert sampled[sampled.index("--temp") + 1] == "1"
+    assert sampled[sampled.index("--seed") + 1] == "3"
+    assert sampled[sampled.index("--top-k") + 1] == "0"  # no truncation, as specmlx samples
+
+
+def test_sampled_runs_have_no_greedy_check(bench):
+    runs = [
+        spec_run("specmlx", "plain", "p", 10.0, same=None),
+        spec_run("specmlx", "auto", "p", 15.0, drafted=4, accepted=3, same=None),
+    ]
+    modes = bench.summarize_spec(runs)["modes"]
+    assert modes["specmlx:auto"]["greedy_same"] is None
+    assert bench._same(modes["specmlx:auto"]) == "–"
+
+
 def test_only_takes_a_comma_separated_subset(bench):
     assert bench.parse_args(["--only", "spec,decode"]).only == ["spec", "decode"]
 
@@ -121,6 +141,7 @@ def test_only_takes_a_comma_separated_subset(bench):
         ["--threads", "0"],
         ["--prompts", "41"],
         ["--label", "a/b"],
+        ["--temperature", "-1"],
     ],
 )
 def test_bad_options_are_refused_in_one_line(bench, argv):
