@@ -31,7 +31,7 @@ from .loading import Model, backend, check_pair
 from .policy import AutoGamma, FixedGamma, Policy, Round, load_costs, save_costs
 from .policy.choice import Scheduler
 from .sampling import SamplingParams
-from .settings import MAX_GAMMA, check_seed, check_settings
+from .settings import MAX_GAMMA, check_seed, check_settings, resolve_draft_mode
 from .verify import make_sampler, make_verifier
 
 
@@ -249,7 +249,7 @@ def generate(
     top_p: float = 1.0,
     top_k: int = 0,
     num_draft: int | str = "auto",
-    draft_mode: str = "model",
+    draft_mode: str | None = None,
     seed: int = 0,
     session: Session | None = None,
     on_prefill: Callable[[int, int], None] | None = None,
@@ -264,7 +264,8 @@ def generate(
     num_draft: γ, an int, or "auto" to pick it each round from measured costs and
     acceptance (never slower than plain decoding by more than the probes it takes).
     draft_mode: "model" (the draft model), "lookup" (prompt n-gram lookup, no draft
-    model needed) or "auto" (lookup when the context has a match, else the model).
+    model needed) or "auto" (lookup when the context has a match, else the model); None
+    (the default): "auto" with a draft model, else "model" (plain decoding).
     on_prefill: called with (tokens done, tokens in all) as the target takes the prompt,
     chunk by chunk (see caches.prefill); not called when the caches already hold it.
     """
@@ -274,6 +275,7 @@ def generate(
         session = Session(target, draft)
     elif session.target is not target or (draft is not None and session.draft is not draft):
         raise SpecmlxError("this session was made for other models; make a new Session")
+    draft_mode = resolve_draft_mode(draft_mode, session.drafter is not None)
     ids = encode_prompt(target, prompt)
     policy, drafters = _policy(session, params, num_draft, draft_mode)
     if drafters:

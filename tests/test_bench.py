@@ -198,8 +198,8 @@ def test_mlx_lm_gammas_can_differ_from_specmlx_gammas():
 
 
 def test_each_draft_mode_runs_at_every_gamma():
-    modes = bench.build_modes([3], mlx_lm=False, draft_modes=["model", "lookup"])
-    assert [m.name for m in modes] == ["target", "specmlx:3", "specmlx/lookup:3"]
+    modes = bench.build_modes([3], mlx_lm=False, draft_modes=["auto", "model", "lookup"])
+    assert [m.name for m in modes] == ["target", "specmlx:3", "specmlx/model:3", "specmlx/lookup:3"]
 
 
 def test_draft_modes_are_the_engines():

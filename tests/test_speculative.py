@@ -58,7 +58,13 @@ def test_greedy_with_an_unrelated_draft_is_still_exact(no_eos):
 def test_draft_equal_to_target_accepts_everything(no_eos, temperature):
     target = no_eos["target"]
     gen = specmlx.generate(
-        target, PROMPT, draft=target, num_draft=4, max_tokens=60, temperature=temperature
+        target,
+        PROMPT,
+        draft=target,
+        num_draft=4,
+        max_tokens=60,
+        temperature=temperature,
+        draft_mode="model",  # the draft model's drafts alone: lookup's may miss
     ).run()
     assert gen.stats.acceptance >= 0.99  # 1.0 up to float error between 1- and 5-token passes
     assert gen.stats.tokens_per_pass > 4.5
@@ -85,7 +91,9 @@ def test_a_fully_accepted_drafts_last_token_rides_with_the_next_first_pass(no_eo
     target = no_eos["target"]
     counting = CountingModule(target.module)
     draft = dataclasses.replace(target, module=counting)
-    gen = specmlx.generate(target, PROMPT, draft=draft, num_draft=4, max_tokens=25).run()
+    gen = specmlx.generate(
+        target, PROMPT, draft=draft, num_draft=4, max_tokens=25, draft_mode="model"
+    ).run()
     assert gen.stats.acceptance == 1.0
     rounds = gen.stats.target_passes
     decode = counting.widths[-4 * rounds :]  # before them: the prompt's prefill
@@ -342,7 +350,12 @@ def test_a_cost_probe_retimes_the_draft_so_one_bad_figure_cannot_keep_it_out(
     # probes that followed never ran the draft, so nothing could correct them.
     session, costs = hopeless_draft(no_eos, monkeypatch, tmp_path)
     gen = specmlx.generate(
-        no_eos["target"], PROMPT, no_eos["perturbed"], max_tokens=40, session=session
+        no_eos["target"],
+        PROMPT,
+        no_eos["perturbed"],
+        max_tokens=40,
+        session=session,
+        draft_mode="model",
     )
     gen.run()
     assert gen.stats.rounds_by_source.get("probe", 0) >= 1
@@ -358,7 +371,7 @@ def test_auto_ends_a_round_where_the_draft_turns_unsure_and_stays_exact(
     monkeypatch.setenv("SPECMLX_HOME", str(tmp_path))  # no costs yet: the first rounds draft
     monkeypatch.setattr(Scheduler, "keep_drafting", lambda s, draft_tops: False)
     target, draft = no_eos["target"], no_eos["perturbed"]
-    gen = specmlx.generate(target, PROMPT, draft, max_tokens=24)
+    gen = specmlx.generate(target, PROMPT, draft, max_tokens=24, draft_mode="model")
     gen.run()
     rounds = gen.stats.rounds_by_source.get("model", 0)
     assert rounds > 0 and gen.stats.drafted == rounds  # one draft each, whatever γ was chosen
@@ -388,7 +401,12 @@ def test_auto_shows_the_stop_rule_and_the_calibration_the_drafts_own_confidence(
     )
     monkeypatch.setattr(Scheduler, "record", spy)
     gen = specmlx.generate(
-        no_eos["target"], PROMPT, no_eos["perturbed"], max_tokens=24, temperature=temperature
+        no_eos["target"],
+        PROMPT,
+        no_eos["perturbed"],
+        max_tokens=24,
+        temperature=temperature,
+        draft_mode="model",
     )
     gen.run()
     assert asked and all(0 < top <= 1 for tops in asked for top in tops)
@@ -438,6 +456,11 @@ def test_stats_carry_the_measured_draft_cost_auto_kept_plain_for(no_eos, monkeyp
     # What the CLI says of an idle draft comes from Stats, not from the policy's insides.
     session, _ = hopeless_draft(no_eos, monkeypatch, tmp_path)
     gen = specmlx.generate(
-        no_eos["target"], PROMPT, no_eos["perturbed"], max_tokens=10, session=session
+        no_eos["target"],
+        PROMPT,
+        no_eos["perturbed"],
+        max_tokens=10,
+        session=session,
+        draft_mode="model",
     ).run()
     assert gen.stats.drafted == 0 and gen.stats.draft_ratio == 50.0

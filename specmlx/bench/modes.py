@@ -15,15 +15,20 @@ from .suite import Prompt
 class Mode:
     engine: str  # "specmlx" | "mlx-lm"
     gamma: int | str  # draft tokens per round; 0 = the target alone; "auto" = specmlx decides
-    draft_mode: str = "model"  # specmlx: "model" | "lookup" (prompt n-grams) | "auto"
+    # specmlx: "auto" (prompt n-grams where they match, else the draft model: generate()'s
+    # default with a draft model) | "model" | "lookup"
+    draft_mode: str = "auto"
     # The target alone a second time, timed as a mode of its own: an A/A test whose
     # "speedup" is what this machine's noise alone makes of two identical modes.
     control: bool = False
 
     @property
     def family(self) -> str:
-        """The mode without its γ: 'specmlx', 'specmlx/lookup', 'mlx-lm'."""
-        return self.engine if self.draft_mode == "model" else f"{self.engine}/{self.draft_mode}"
+        """The mode without its γ: 'specmlx' (its default drafts), 'specmlx/model',
+        'specmlx/lookup', 'mlx-lm'."""
+        if self.engine != "specmlx" or self.draft_mode == "auto":
+            return self.engine
+        return f"{self.engine}/{self.draft_mode}"
 
     @property
     def name(self) -> str:
@@ -95,7 +100,7 @@ def build_modes(
     gammas: list[int | str],
     mlx_lm: bool = True,
     mlx_lm_target: bool = False,
-    draft_modes: Iterable[str] = ("model",),
+    draft_modes: Iterable[str] = ("auto",),
     mlx_lm_gammas: list[int] | None = None,
     control: bool = False,
 ) -> list[Mode]:

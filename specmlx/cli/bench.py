@@ -175,9 +175,10 @@ def bench(
         None, "--temperature", "-t", help="Comma-separated temperatures (default 0,0.7,1.0)."
     ),
     draft_mode: str = typer.Option(
-        "model",
+        "auto",
         "--draft-mode",
-        help="Comma-separated specmlx draft modes: model, lookup, auto.",
+        help="Comma-separated specmlx draft modes: auto (generate's default with a draft: "
+        "lookup where the context has a match, else the model), model, lookup.",
     ),
     categories: str = typer.Option(
         None, "--categories", "-c", help="Comma-separated categories; 'mt-bench' = its eight."
@@ -339,7 +340,7 @@ def bench(
         f"--model {target.path} --draft {drafter.path} --dtype {dtype}",
         f"--cpu-weights {cpu_weights}",
         f"--gamma {','.join(str(g) for g in gammas)}",
-        f"--draft-mode {','.join(draft_modes)}" if draft_modes != ["model"] else "",
+        f"--draft-mode {','.join(draft_modes)}" if draft_modes != ["auto"] else "",
         f"--temperature {','.join(f'{t:g}' for t in temps)}",
         f"--split {split}",
         f"--categories {categories}" if categories else "",

@@ -67,7 +67,7 @@ def chat(
     top_p: float = options.TopP,
     top_k: int = options.TopK,
     gamma: str = options.Gamma,
-    draft_mode: str = options.DraftMode,
+    draft_mode: str | None = options.DraftMode,
     seed: int = options.Seed,
     dtype: str = options.Dtype,
     cpu_weights: str = options.CpuWeights,
@@ -98,7 +98,9 @@ def chat(
     from ..caches import check_rollback
     from ..engine import Session
     from ..loading import backend
+    from ..settings import resolve_draft_mode
 
+    draft_mode = resolve_draft_mode(draft_mode, drafter is not None)
     if num_draft != 0 and (drafter is not None or draft_mode != "model"):
         check_rollback(target, *([drafter] if drafter and draft_mode != "lookup" else []))
 

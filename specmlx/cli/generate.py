@@ -35,7 +35,7 @@ def generate(
     top_p: float = options.TopP,
     top_k: int = options.TopK,
     gamma: str = options.Gamma,
-    draft_mode: str = options.DraftMode,
+    draft_mode: str | None = options.DraftMode,
     seed: int = options.Seed,
     dtype: str = options.Dtype,
     cpu_weights: str = options.CpuWeights,

@@ -35,10 +35,12 @@ Gamma = typer.Option(
     "from measured costs and acceptance; plain decoding where speculation would lose).",
 )
 DraftMode = typer.Option(
-    "model",
+    None,
     "--draft-mode",
     help="Where drafts come from: model (the draft model), lookup (n-grams of the prompt and "
-    "output; no draft model needed), auto (lookup when the context has a match, else model).",
+    "output; no draft model needed), auto (lookup when the context has a match, else model). "
+    "Default: auto with a draft model, else none (--no-draft is the target alone).",
+    show_default=False,
 )
 
 
@@ -72,7 +74,12 @@ System = typer.Option(None, "--system", help="System prompt (uses the model's ch
 
 
 def check_settings(
-    max_tokens: int, temperature: float, top_p: float, top_k: int, gamma: str, draft_mode: str
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    gamma: str,
+    draft_mode: str | None,
 ) -> int | str:
     """Validate the generation flags before anything slow is loaded; return γ parsed."""
     from ..settings import check_settings as check

@@ -22,7 +22,7 @@ def serve(
         256, "--max-tokens", "-n", help="Maximum tokens for a request that does not say."
     ),
     gamma: str = options.Gamma,
-    draft_mode: str = options.DraftMode,
+    draft_mode: str | None = options.DraftMode,
     dtype: str = options.Dtype,
     cpu_weights: str = options.CpuWeights,
     host: str = typer.Option(
@@ -57,7 +57,9 @@ def serve(
     from ..caches import check_rollback
     from ..loading import backend
     from ..server import Defaults, make_app
+    from ..settings import resolve_draft_mode
 
+    draft_mode = resolve_draft_mode(draft_mode, drafter is not None)
     if num_draft != 0 and (drafter is not None or draft_mode != "model"):
         check_rollback(target, *([drafter] if drafter and draft_mode != "lookup" else []))
     for line in report.startup_lines(target, drafter, timings, backend()):

@@ -17,11 +17,12 @@ from .errors import APIError
 
 @dataclass(frozen=True)
 class Defaults:
-    """What a request gets for a field it leaves out (num_draft, draft_mode: the server's)."""
+    """What a request gets for a field it leaves out (num_draft, draft_mode: the server's;
+    draft_mode None: auto with a draft model, else plain, as generate() decides)."""
 
     max_tokens: int = 256
     num_draft: int | str = "auto"
-    draft_mode: str = "model"
+    draft_mode: str | None = None
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Asked:
     stream: bool
     include_usage: bool
     num_draft: int | str
-    draft_mode: str
+    draft_mode: str | None
 
     def settings(self, max_tokens: int, seed: int) -> dict:
         """generate()'s keyword arguments (max_tokens as the context leaves room for)."""
