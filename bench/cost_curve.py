@@ -10,6 +10,7 @@ takes them with its first pass), as a ratio to its one-token pass: the policy pr
 on the target's curve.
 
     python bench/cost_curve.py --target TARGET_DIR --draft DRAFT_DIR [--kmax 9 --repeat 5]
+    python bench/cost_curve.py ... --isa avx2   # the AVX2 kernels on an AVX-512 CPU
 """
 
 from __future__ import annotations
@@ -30,7 +31,14 @@ def main() -> None:
     parser.add_argument("--draft", required=True)
     parser.add_argument("--kmax", type=int, default=9)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--isa", help="force the native kernels' ISA: avx512, avx2 or scalar")
     args = parser.parse_args()
+    if args.isa:
+        from specmlx.cpu import native
+
+        if not native.available():
+            raise SystemExit(f"--isa needs the native kernel: {native.reason()}")
+        native._ext.set_isa(args.isa)
     target, draft = load(args.target), load(args.draft)
     ids = encode(target, PROMPT, chat_template=True)
     models = {"target": target, "draft": draft}
@@ -60,6 +68,8 @@ def main() -> None:
                 run("draft", 1)
             after[k].append(run("target", k))
     t1, d1 = median(alone[1]), median(draft_pass)
+    if args.isa:
+        print(f"kernels forced to {args.isa}")
     print(f"T(1) {t1 * 1000:.0f} ms; draft pass {d1 / t1:.2f} of T(1)")
     print("alone:       " + "  ".join(f"{k}: {median(v) / t1:.2f}" for k, v in alone.items()))
     print("after drafts: " + "  ".join(f"{k}: {median(v) / t1:.2f}" for k, v in after.items()))
