@@ -116,3 +116,17 @@ def endless_target(model_dirs, tmp_path_factory):
     tokenizer_config["eos_token"] = None
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     return path
+
+
+@pytest.fixture
+def quantized_tiny(model_dirs):
+    """Makes a fresh (not the shared session's) tiny qwen2, quantized to INT4 g32, not yet
+    on the native kernel: call it twice for two copies."""
+    import mlx.nn as nn
+
+    def load():
+        model = specmlx.load(model_dirs["target"], native=False)
+        nn.quantize(model.module, group_size=32, bits=4)
+        return model
+
+    return load

@@ -227,18 +227,6 @@ def test_missing_or_broken_build(tmp_path, monkeypatch):
     assert native._load(tmp_path) == (None, "disabled by SPECMLX_NATIVE=0")
 
 
-@pytest.fixture
-def quantized_tiny(model_dirs):
-    """A fresh (not the shared session) tiny qwen2, quantized to INT4 g32, and a copy of it."""
-
-    def load():
-        model = specmlx.load(model_dirs["target"], native=False)
-        nn.quantize(model.module, group_size=32, bits=4)
-        return model
-
-    return load
-
-
 @needs_native
 def test_patch_model_keeps_outputs(quantized_tiny):
     plain, patched = quantized_tiny(), quantized_tiny()

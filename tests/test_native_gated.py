@@ -5,7 +5,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-import specmlx
 from specmlx.cpu import native
 
 needs_gated = pytest.mark.skipif(
@@ -144,13 +143,3 @@ def test_load_gives_a_quantized_qwen2_the_gated_op(quantized_tiny):
     native.patch_model(plain.module)  # the same matmuls, MLX's silu
     a, b = patched.module(tokens), plain.module(tokens)
     assert (mx.abs(a - b).max() / mx.abs(b).max()).item() < 1e-4
-
-
-@pytest.fixture
-def quantized_tiny(model_dirs):
-    def load():
-        model = specmlx.load(model_dirs["target"], native=False)
-        nn.quantize(model.module, group_size=32, bits=4)
-        return model
-
-    return load
