@@ -266,7 +266,10 @@ def test_pool_takes_the_longest_prefix_and_keeps_to_its_budget(models):
     first, second = [5, 6, 7, 8, 9, 10], [40, 41, 42, 43]
     for ids in (first, second):
         session = pool.take(ids)
-        specmlx.generate(target, ids, draft=draft, session=session, max_tokens=4).run()
+        # A fixed γ of model drafts: both sessions' draft caches filled alike (under auto
+        # γ and draft mode, whether one was depended on the costs earlier tests left).
+        run = dict(session=session, max_tokens=4, num_draft=2, draft_mode="model")
+        specmlx.generate(target, ids, draft=draft, **run).run()
         pool.give_back(session)
     one, two = pool.idle
     assert pool.take(second + [1]) is two and pool.take(first[:3]) is one
