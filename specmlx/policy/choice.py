@@ -155,7 +155,11 @@ class Scheduler:
         missed = self.rounds_since_probe if behind is None else behind
         if known and self.pays(rates[0], rates[best], need, remaining, missed):
             self.rounds_since_probe = 0
-            self.costs.cost_backoff = FIRST_BACKOFF
+            if not self.free_drafts:
+                # The draft model pays: its cost probes start afresh when it next does not.
+                # Not for lookup, which shares the costs: its rounds reset the back-off of
+                # a draft model as costly as the target to 32 plain rounds in every reply.
+                self.costs.cost_backoff = FIRST_BACKOFF
             return Choice(best, predicted_tps=self.tps(rates[best]))
         self.rounds_since_probe += 1
         if self.hopeless(rates[0]):
