@@ -130,3 +130,17 @@ def quantized_tiny(model_dirs):
         return model
 
     return load
+
+
+@pytest.fixture(params=["scalar", "avx2", "avx512"])
+def forced_isa(request):
+    """The kernels forced to one ISA (skipped where this CPU lacks it); the best restored after."""
+    if not native.available():
+        pytest.skip(f"native kernel not available: {native.reason()}")
+    best = native._ext.isa()
+    names = ["scalar", "avx2", "avx512"]
+    if names.index(request.param) > names.index(best):
+        pytest.skip(f"this CPU has no {request.param} (best: {best})")
+    native._ext.set_isa(request.param)
+    yield request.param
+    native._ext.set_isa(best)

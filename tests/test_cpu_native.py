@@ -304,20 +304,6 @@ def test_softmax_gives_masked_tokens_exactly_zero(each_isa):
         assert [i for i, p in enumerate(out) if p == 0.0] == [1, 3] + list(range(4, 17)), isa
 
 
-@pytest.fixture(params=["scalar", "avx2", "avx512"])
-def forced_isa(request):
-    """The kernels forced to one ISA (skipped where this CPU lacks it); the best restored after."""
-    if not native.available():
-        pytest.skip(f"native kernel not available: {native.reason()}")
-    best = native._ext.isa()
-    names = ["scalar", "avx2", "avx512"]
-    if names.index(request.param) > names.index(best):
-        pytest.skip(f"this CPU has no {request.param} (best: {best})")
-    native._ext.set_isa(request.param)
-    yield request.param
-    native._ext.set_isa(best)
-
-
 def hard_rows(size):
     """Rows that stress the exp and the tail handling: -inf (masked) entries, values far below
     the max (a denormal or zero exp, down to -3.4e38), logits around 1e4 (exp overflows unless
