@@ -464,24 +464,6 @@ void run(const Call& c) {
   });
 }
 
-// A copy of x (B, H, L, D) with a contiguous D axis, for the rare view without one.
-const float* gather(const mx::array& x, std::unique_ptr<float[]>& buf, size_t& cap) {
-  float* dst = scratch(buf, cap, x.size());
-  const float* src = x.data<float>();
-  const auto& st = x.strides();
-  size_t i = 0;
-  for (int a = 0; a < x.shape(0); ++a) {
-    for (int h = 0; h < x.shape(1); ++h) {
-      for (int l = 0; l < x.shape(2); ++l) {
-        for (int d = 0; d < x.shape(3); ++d) {
-          dst[i++] = src[a * st[0] + h * st[1] + l * st[2] + d * st[3]];
-        }
-      }
-    }
-  }
-  return dst;
-}
-
 } // namespace
 
 void Attention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
@@ -528,17 +510,15 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const bool k_dense = k.strides()[3] == 1 || k.shape(3) == 1;
   const bool v_dense = v.strides()[3] == 1 || v.shape(3) == 1;
   encoder.dispatch([call, q, k, v, k_dense, v_dense]() mutable {
-    thread_local std::unique_ptr<float[]> kbuf, vbuf;
-    thread_local size_t kcap = 0, vcap = 0;
-    thread_local std::vector<float> qbuf;
+    thread_local std::vector<float> qbuf, kbuf, vbuf;
     call.q = row_major(q, qbuf);
     const int64_t L = call.Lk, D = call.D, H = call.Hkv;
     if (!k_dense) {
-      call.k = gather(k, kbuf, kcap);
+      call.k = row_major(k, kbuf);
       call.ksb = H * L * D, call.ksh = L * D, call.ksl = D;
     }
     if (!v_dense) {
-      call.v = gather(v, vbuf, vcap);
+      call.v = row_major(v, vbuf);
       call.vsb = H * L * D, call.vsh = L * D, call.vsl = D;
     }
     run(call);

@@ -16,8 +16,8 @@ namespace specmlx {
 namespace {
 
 // A worker parked past the pool's spin window costs 20-160 us to wake on a VM, so a matmul
-// is split across threads only when each thread gets at least this much work (weights touched x (rows of x + 2), roughly the
-// instruction count of the inner loop).
+// is split across threads only when each thread gets at least this much work (weights
+// touched x (rows of x + 2), roughly the instruction count of the inner loop).
 constexpr size_t kMinWorkPerThread = size_t(3) << 21;
 
 std::atomic<Isa> g_isa{detect_isa()};

@@ -19,15 +19,20 @@ const T* row_major(const mlx::core::array& x, std::vector<T>& scratch) {
   }
   scratch.resize(x.size());
   const T* src = static_cast<const T*>(x.data<void>());
-  const int nd = x.ndim();
-  std::vector<int> index(nd, 0);
-  for (size_t i = 0; i < x.size(); ++i) {
+  // One run along the last axis per index of the others (odometer order over them).
+  const int nd = x.ndim(), last = x.shape(nd - 1);
+  const int64_t step = x.strides(nd - 1);
+  std::vector<int> index(nd - 1, 0);
+  for (size_t row = 0; row * last < x.size(); ++row) {
     int64_t at = 0;
-    for (int d = 0; d < nd; ++d) {
+    for (int d = 0; d < nd - 1; ++d) {
       at += int64_t(index[d]) * int64_t(x.strides(d));
     }
-    scratch[i] = src[at];
-    for (int d = nd - 1; d >= 0 && ++index[d] == x.shape(d); --d) {
+    T* dst = scratch.data() + row * last;
+    for (int i = 0; i < last; ++i) {
+      dst[i] = src[at + i * step];
+    }
+    for (int d = nd - 2; d >= 0 && ++index[d] == x.shape(d); --d) {
       index[d] = 0;
     }
   }
