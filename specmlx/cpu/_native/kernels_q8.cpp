@@ -147,85 +147,91 @@ void tile_q8_scalar(const QmmJob& j, int n, int rows, int m0, int mt) {
 // accumulate the first output row, odd lanes the second; MT rows of x share every chunk.
 constexpr int kVnniMaxRows = 8;  // 8 accumulators + 4 code registers + temporaries
 
-// The chunk's scales for lanes laid out as above: quarter q holds the QC codes from QC * q
-// on (32 for 4 bits, 16 for 8), so group QC * q / GS of the chunk; lanes alternate between
-// the two output rows (16 + g picks row 1's group g).
-template <int GS, int QC>
-constexpr int pair_lane(int l) {
-  return (l % 2) * 16 + (l / 4) * QC / GS;
-}
-
-// bf16 halves widened in registers: a shift of each into the top of a float (exact).
-SPECMLX_VNNI512 inline __m128 bf16x4_512(const uint16_t* h, __mmask8 valid) {
-  return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(_mm_maskz_loadu_epi16(valid, h)), 16));
-}
-
-// Forced inline, and no calls inside: called once per chunk, it became a call once the
-// 8-bit instantiations were added, and a call (scales_from, the bf16 path's) in the chunk
-// loop made each tile spill and reload its pointers around it.
-template <int GS, int QC>
-SPECMLX_VNNI512 inline __attribute__((always_inline)) __m512 pair_scales512(
-    const void* p, size_t i0, size_t i1, ScaleType t, int count) {
-  constexpr auto lane = pair_lane<GS, QC>;  // a name: the macro would split its commas
-  const __m512i idx = _mm512_setr_epi32(
-      lane(0), lane(1), lane(2), lane(3), lane(4), lane(5), lane(6), lane(7), lane(8), lane(9),
-      lane(10), lane(11), lane(12), lane(13), lane(14), lane(15));
-  if (t == ScaleType::f32) {
-    const __mmask16 valid = __mmask16((1u << count) - 1);
-    const float* f = static_cast<const float*>(p);
-    return _mm512_permutex2var_ps(
-        _mm512_maskz_loadu_ps(valid, f + i0), idx, _mm512_maskz_loadu_ps(valid, f + i1));
-  }
-  if (t == ScaleType::f16) {
-    // In registers: widened through a stack array, each chunk paid a store-forwarding
-    // stall, which made fp16 scales 2-4x slower than float32 ones at M = 1.
-    const __mmask8 valid = __mmask8((1u << count) - 1);
-    const uint16_t* h = static_cast<const uint16_t*>(p);
-    return _mm512_permutex2var_ps(
-        _mm512_castps128_ps512(_mm_cvtph_ps(_mm_maskz_loadu_epi16(valid, h + i0))), idx,
-        _mm512_castps128_ps512(_mm_cvtph_ps(_mm_maskz_loadu_epi16(valid, h + i1))));
-  }
-  const __mmask8 valid = __mmask8((1u << count) - 1);
-  const uint16_t* h = static_cast<const uint16_t*>(p);
-  return _mm512_permutex2var_ps(
-      _mm512_castps128_ps512(bf16x4_512(h + i0, valid)), idx,
-      _mm512_castps128_ps512(bf16x4_512(h + i1, valid)));
-}
-
-// The bias step's 8 biases from index i (count of them, zeros past), as floats in a register.
-SPECMLX_VNNI512 inline __m256 biases8_512(const void* p, size_t i, ScaleType t, int count) {
-  const __mmask8 valid = __mmask8((1u << count) - 1);
-  if (t == ScaleType::f16) {
-    return _mm256_cvtph_ps(_mm_maskz_loadu_epi16(valid, static_cast<const uint16_t*>(p) + i));
-  }
-  if (t == ScaleType::f32) {
+// Scales and biases are read 8 at a time from index i (zero past the `valid` ones: a row's
+// last groups must not read past the array), widened in registers. A template on the
+// type: a branch on it in the chunk loop cost as much as the scales' own instructions.
+template <ScaleType ST>
+SPECMLX_VNNI512 inline __attribute__((always_inline)) __m256 halves8_512(const void* p, size_t i, __mmask8 valid) {
+  if constexpr (ST == ScaleType::f32) {
     return _mm256_maskz_loadu_ps(valid, static_cast<const float*>(p) + i);
+  } else if constexpr (ST == ScaleType::f16) {
+    return _mm256_cvtph_ps(_mm_maskz_loadu_epi16(valid, static_cast<const uint16_t*>(p) + i));
+  } else {  // bf16: a shift of each into the top of a float (exact)
+    const __m128i h = _mm_maskz_loadu_epi16(valid, static_cast<const uint16_t*>(p) + i);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
-  return _mm256_loadu_ps(scales_from<8>(p, i, t, count).data());
 }
 
-template <int MT, int GS, int BITS>
-SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n, int rows, int m0) {
-  constexpr int kCodes = 512 / BITS, kBytes = 64, kGroups = std::max(1, kCodes / GS);
-  const int bytes = j.K * BITS / 8, groups = j.K / GS;
-  const int chunks = (j.K + kCodes - 1) / kCodes;
-  const int tail = bytes - (chunks - 1) * kBytes;  // bytes in the last chunk, 16..64
-  const __mmask64 tail_mask = tail == kBytes ? ~__mmask64(0) : (__mmask64(1) << tail) - 1;
-  const int n1 = n + rows - 1;  // a lone last row is computed twice, stored once
-  const uint8_t* w0 = reinterpret_cast<const uint8_t*>(j.w) + size_t(n) * bytes;
-  const uint8_t* w1 = reinterpret_cast<const uint8_t*>(j.w) + size_t(n1) * bytes;
-  const size_t s0 = size_t(n) * groups, s1 = size_t(n1) * groups;
-  const int8_t* xq = j.xq + size_t(m0) * j.ldq;
-  const float* xd = j.xd + size_t(m0) * j.ldd;
+// Which of a pair of 8-scale registers (row 0's, then row 1's at 16 on) lane l of a chunk
+// takes, the chunk starting `first` groups into them: quarter q holds the QC codes from
+// QC * q on (32 for 4 bits, 16 for 8), so group first + QC * q / GS; lanes alternate
+// between the two output rows.
+template <int GS, int QC>
+SPECMLX_VNNI512 inline __m512i pair_lanes(int first) {
+  return _mm512_add_epi32(
+      _mm512_set1_epi32(first),
+      _mm512_setr_epi32(0, 16, 0, 16, QC / GS, 16 + QC / GS, QC / GS, 16 + QC / GS, 2 * QC / GS,
+                        16 + 2 * QC / GS, 2 * QC / GS, 16 + 2 * QC / GS, 3 * QC / GS, 16 + 3 * QC / GS,
+                        3 * QC / GS, 16 + 3 * QC / GS));
+}
+
+// One chunk of both output rows against MT rows of x: the integer dots, the fold of the
+// two rows into one register and the float step acc += float(dot) * (sc * d). q and d
+// point at the chunk's codes and block scales of the tile's first row of x.
+template <int MT, int BITS>
+SPECMLX_VNNI512 inline __attribute__((always_inline)) void chunk_512(
+    __m512 (&acc)[MT], __m512i b0, __m512i b1, __m512 sc, const int8_t* q, size_t ldq, const float* d,
+    size_t ldd) {
+  constexpr int kBytes = 64;
   const __m512i low4 = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
   // x's block scales of a chunk spread over its quarters: 4 bits, one block per quarter;
   // 8 bits, one per half. (Kept per block, not per lane: at K = 8960 a few rows of x then
   // still fit in L1 beside the weights streaming through.)
   const __m512i quarters = BITS == 4 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
                                      : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-
+  // 8 bits: the bytes as they are; 4 bits: low and high nibbles, two vpdpbusd per row
+  __m512i lo0 = b0, lo1 = b1, hi0, hi1;
+  if constexpr (BITS == 4) {
+    lo0 = _mm512_and_si512(b0, low4);
+    hi0 = _mm512_and_si512(_mm512_srli_epi16(b0, 4), low4);
+    lo1 = _mm512_and_si512(b1, low4);
+    hi1 = _mm512_and_si512(_mm512_srli_epi16(b1, 4), low4);
+  }
   // Every loop over acc is unrolled: with a loop left over it, GCC keeps acc in memory
   // and stores each accumulator once per chunk (10-20% of a row).
+  #pragma GCC unroll 16
+  for (int m = 0; m < MT; ++m) {
+    const int8_t* qm = q + size_t(m) * ldq;
+    const __m512i xl = _mm512_loadu_si512(qm);
+    const __m512 dm = _mm512_permutexvar_ps(quarters, _mm512_castps128_ps512(_mm_loadu_ps(d + size_t(m) * ldd)));
+    __m512i i0 = _mm512_dpbusd_epi32(zero, lo0, xl), i1 = _mm512_dpbusd_epi32(zero, lo1, xl);
+    if constexpr (BITS == 4) {
+      const __m512i xh = _mm512_loadu_si512(qm + kBytes);
+      i0 = _mm512_dpbusd_epi32(i0, hi0, xh);
+      i1 = _mm512_dpbusd_epi32(i1, hi1, xh);
+    }
+    const __m512i both = _mm512_add_epi32(_mm512_unpacklo_epi32(i0, i1), _mm512_unpackhi_epi32(i0, i1));
+    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(both), _mm512_mul_ps(sc, dm), acc[m]);
+  }
+}
+
+template <int MT, int GS, int BITS, ScaleType ST>
+SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n, int rows, int m0) {
+  constexpr int kCodes = 512 / BITS, kBytes = 64, kGroups = std::max(1, kCodes / GS), kQC = kCodes / 4;
+  // A pair of chunks takes its scales in one load per row: 2 * kCodes / GS groups (8 at
+  // most: 4 bits, GS = 32), or the one group both halves of an 8-bit chunk pair lie in.
+  constexpr int kPairGroups = std::max(1, 2 * kCodes / GS);
+  const int bytes = j.K * BITS / 8, groups = j.K / GS;
+  const int chunks = (j.K + kCodes - 1) / kCodes;
+  const int tail = bytes - (chunks - 1) * kBytes;  // bytes in the last chunk, 16..64
+  const int full_chunks = tail == kBytes ? chunks : chunks - 1;
+  const int n1 = n + rows - 1;  // a lone last row is computed twice, stored once
+  const uint8_t* w0 = reinterpret_cast<const uint8_t*>(j.w) + size_t(n) * bytes;
+  const uint8_t* w1 = reinterpret_cast<const uint8_t*>(j.w) + size_t(n1) * bytes;
+  const size_t s0 = size_t(n) * groups, s1 = size_t(n1) * groups;
+  const int8_t* xq = j.xq + size_t(m0) * j.ldq;
+  const float* xd = j.xd + size_t(m0) * j.ldd;
+
   __m512 acc[MT];
   #pragma GCC unroll 16
   for (int m = 0; m < MT; ++m) {
@@ -239,51 +245,49 @@ SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n, int rows, int m0) {
     prefetch_scales(p, s1, j.stype, groups);
     prefetch_scales(p, ahead, j.stype, 2 * groups);
   }
-  for (int c = 0; c < chunks; ++c) {
-    // Weights that stream from DRAM (a whole model's do) need a long prefetch: with the
-    // float32 kernel's 4 groups ahead, int8 x was no faster at M <= 3.
+  const __m512i first = pair_lanes<GS, kQC>(0), second = pair_lanes<GS, kQC>(kCodes / GS);
+  const __mmask8 pair_valid = __mmask8((1u << kPairGroups) - 1);
+  int c = 0;
+  for (; c + 1 < full_chunks; c += 2) {
+    const int g0 = c * kCodes / GS;
+    const __m512 r0 = _mm512_castps256_ps512(halves8_512<ST>(j.scales, s0 + g0, pair_valid));
+    const __m512 r1 = _mm512_castps256_ps512(halves8_512<ST>(j.scales, s1 + g0, pair_valid));
+    for (int h = 0; h < 2; ++h) {
+      // Weights that stream from DRAM (a whole model's do) need a long prefetch: with the
+      // float32 kernel's 4 groups ahead, int8 x was no faster at M <= 3.
+      prefetch_ahead<2 * kBytes>(w0, c + h);
+      const __m512i b0 = _mm512_loadu_si512(w0 + (c + h) * kBytes);
+      const __m512i b1 = _mm512_loadu_si512(w1 + (c + h) * kBytes);
+      const __m512 sc = _mm512_permutex2var_ps(r0, h == 0 ? first : second, r1);
+      chunk_512<MT, BITS>(acc, b0, b1, sc, xq + (c + h) * kCodes, j.ldq, xd + (c + h) * kCodes / kQ8Block, j.ldd);
+    }
+  }
+  // A last odd chunk, and a partial one (masked loads: they stream from DRAM more slowly,
+  // so only there).
+  const __mmask64 tail_mask = tail == kBytes ? ~__mmask64(0) : (__mmask64(1) << tail) - 1;
+  for (; c < chunks; ++c) {
     prefetch_ahead<2 * kBytes>(w0, c);
-    // Plain loads but for a partial last chunk: masked ones stream from DRAM more slowly.
-    const bool full = c + 1 < chunks;
+    const bool full = c < full_chunks;
     const uint8_t* p0 = w0 + c * kBytes;
     const uint8_t* p1 = w1 + c * kBytes;
     const __m512i b0 = full ? _mm512_loadu_si512(p0) : _mm512_maskz_loadu_epi8(tail_mask, p0);
     const __m512i b1 = full ? _mm512_loadu_si512(p1) : _mm512_maskz_loadu_epi8(tail_mask, p1);
-    // 8 bits: the bytes as they are; 4 bits: low and high nibbles, two vpdpbusd per row
-    __m512i lo0 = b0, lo1 = b1, hi0, hi1;
-    if constexpr (BITS == 4) {
-      lo0 = _mm512_and_si512(b0, low4);
-      hi0 = _mm512_and_si512(_mm512_srli_epi16(b0, 4), low4);
-      lo1 = _mm512_and_si512(b1, low4);
-      hi1 = _mm512_and_si512(_mm512_srli_epi16(b1, 4), low4);
-    }
     const int g0 = c * kCodes / GS, count = std::min(kGroups, groups - g0);
-    const __m512 sc = pair_scales512<GS, kCodes / 4>(j.scales, s0 + g0, s1 + g0, j.stype, count);
-    #pragma GCC unroll 16
-    for (int m = 0; m < MT; ++m) {
-      const int8_t* q = xq + size_t(m) * j.ldq + c * kCodes;
-      const __m512i xl = _mm512_loadu_si512(q);
-      const __m512 d = _mm512_permutexvar_ps(
-          quarters, _mm512_castps128_ps512(_mm_loadu_ps(xd + size_t(m) * j.ldd + c * kCodes / kQ8Block)));
-      __m512i i0 = _mm512_dpbusd_epi32(zero, lo0, xl), i1 = _mm512_dpbusd_epi32(zero, lo1, xl);
-      if constexpr (BITS == 4) {
-        const __m512i xh = _mm512_loadu_si512(q + kBytes);
-        i0 = _mm512_dpbusd_epi32(i0, hi0, xh);
-        i1 = _mm512_dpbusd_epi32(i1, hi1, xh);
-      }
-      const __m512i both = _mm512_add_epi32(_mm512_unpacklo_epi32(i0, i1), _mm512_unpackhi_epi32(i0, i1));
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(both), _mm512_mul_ps(sc, d), acc[m]);
-    }
+    const __mmask8 valid = __mmask8((1u << count) - 1);
+    const __m512 sc = _mm512_permutex2var_ps(
+        _mm512_castps256_ps512(halves8_512<ST>(j.scales, s0 + g0, valid)), first,
+        _mm512_castps256_ps512(halves8_512<ST>(j.scales, s1 + g0, valid)));
+    chunk_512<MT, BITS>(acc, b0, b1, sc, xq + c * kCodes, j.ldq, xd + c * kCodes / kQ8Block, j.ldd);
   }
   // The bias term: b . (sum of d * q per group), 8 groups per step, in the same
   // alternating lanes; xs is zero-padded.
   const __m512i pick = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
   const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   for (int g = 0; g < groups; g += 8) {
-    const int count = std::min(8, groups - g);
+    const __mmask8 valid = __mmask8((1u << std::min(8, groups - g)) - 1);
     const __m512 bv = _mm512_permutex2var_ps(
-        _mm512_castps256_ps512(biases8_512(j.biases, s0 + g, j.stype, count)), pick,
-        _mm512_castps256_ps512(biases8_512(j.biases, s1 + g, j.stype, count)));
+        _mm512_castps256_ps512(halves8_512<ST>(j.biases, s0 + g, valid)), pick,
+        _mm512_castps256_ps512(halves8_512<ST>(j.biases, s1 + g, valid)));
     #pragma GCC unroll 16
     for (int m = 0; m < MT; ++m) {
       const __m256 xs = _mm256_loadu_ps(j.xs + size_t(m0 + m) * j.ldg + g);
@@ -311,7 +315,7 @@ SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n, int rows, int m0) {
 constexpr int kAvx2MaxRows = 4;
 
 template <int GS>
-SPECMLX_AVX2_Q8 inline __m256 lane_scales256(const void* p, size_t i, ScaleType t, int count) {
+SPECMLX_AVX2_Q8 inline __attribute__((always_inline)) __m256 lane_scales256(const void* p, size_t i, ScaleType t, int count) {
   if constexpr (GS == 32) {
     const float hi = count > 1 ? scale_f16c(p, i + 1, t) : 0.0f;
     return _mm256_setr_m128(_mm_set1_ps(scale_f16c(p, i, t)), _mm_set1_ps(hi));
@@ -320,8 +324,8 @@ SPECMLX_AVX2_Q8 inline __m256 lane_scales256(const void* p, size_t i, ScaleType 
   }
 }
 
-// As biases8_512, without masked loads: a partial step (a row's last) goes through memory.
-SPECMLX_AVX2_Q8 inline __m256 biases8_256(const void* p, size_t i, ScaleType t, int count) {
+// As halves8_512, without masked loads: a partial step (a row's last) goes through memory.
+SPECMLX_AVX2_Q8 inline __attribute__((always_inline)) __m256 biases8_256(const void* p, size_t i, ScaleType t, int count) {
   if (count == 8 && t == ScaleType::f16) {
     return _mm256_cvtph_ps(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)));
@@ -344,7 +348,8 @@ SPECMLX_AVX2_Q8 inline __m256i load_chunk32(const uint8_t* p, bool full) {
   return full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)) : _mm256_zextsi128_si256(low);
 }
 
-template <int MT, int GS, int BITS>
+// ST, the scales' type, a template parameter: see halves8_512.
+template <int MT, int GS, int BITS, ScaleType ST>
 SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n, int rows, int m0) {
   constexpr int kCodes = 256 / BITS, kBytes = 32;
   const int bytes = j.K * BITS / 8, groups = j.K / GS;
@@ -368,9 +373,9 @@ SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n, int rows, int m0) {
   // reaching (kPrefetchBytes ahead): asked for only here, they came a DRAM latency late.
   const size_t ahead = size_t(n + kPrefetchBytes / bytes + 2) * groups;
   for (const void* p : {j.scales, j.biases}) {
-    prefetch_scales(p, s0, j.stype, groups);
-    prefetch_scales(p, s1, j.stype, groups);
-    prefetch_scales(p, ahead, j.stype, 2 * groups);
+    prefetch_scales(p, s0, ST, groups);
+    prefetch_scales(p, s1, ST, groups);
+    prefetch_scales(p, ahead, ST, 2 * groups);
   }
   for (int c = 0; c < chunks; ++c) {
     prefetch_ahead<2 * kBytes>(w0, c);
@@ -393,8 +398,8 @@ SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n, int rows, int m0) {
     }
     const int g0 = c * kCodes / GS, count = std::min(std::max(1, kCodes / GS), groups - g0);
     // 8 bits: one group per chunk, so lane_scales256<64> (one scale for all lanes) fits
-    const __m256 sc0 = lane_scales256<BITS == 4 ? GS : 64>(j.scales, s0 + g0, j.stype, count);
-    const __m256 sc1 = lane_scales256<BITS == 4 ? GS : 64>(j.scales, s1 + g0, j.stype, count);
+    const __m256 sc0 = lane_scales256<BITS == 4 ? GS : 64>(j.scales, s0 + g0, ST, count);
+    const __m256 sc1 = lane_scales256<BITS == 4 ? GS : 64>(j.scales, s1 + g0, ST, count);
     #pragma GCC unroll 16
     for (int m = 0; m < MT; ++m) {
       const int8_t* q = xq + size_t(m) * j.ldq + c * kCodes;
@@ -422,8 +427,8 @@ SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n, int rows, int m0) {
   }
   for (int g = 0; g < groups; g += 8) {
     const int count = std::min(8, groups - g);
-    const __m256 bv0 = biases8_256(j.biases, s0 + g, j.stype, count);
-    const __m256 bv1 = biases8_256(j.biases, s1 + g, j.stype, count);
+    const __m256 bv0 = biases8_256(j.biases, s0 + g, ST, count);
+    const __m256 bv1 = biases8_256(j.biases, s1 + g, ST, count);
     #pragma GCC unroll 16
     for (int m = 0; m < MT; ++m) {
       const __m256 xs = _mm256_loadu_ps(j.xs + size_t(m0 + m) * j.ldg + g);
@@ -445,11 +450,25 @@ SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n, int rows, int m0) {
 // Tables of instantiations: [bits 4/8][group size 32/64/128][MT - 1].
 template <int MT, int GS, int BITS>
 void run_vnni512(const QmmJob& j, int n, int rows, int m0) {
-  tile_q8_vnni512<MT, GS, BITS>(j, n, rows, m0);
+  switch (j.stype) {
+    case ScaleType::f32:
+      return tile_q8_vnni512<MT, GS, BITS, ScaleType::f32>(j, n, rows, m0);
+    case ScaleType::bf16:
+      return tile_q8_vnni512<MT, GS, BITS, ScaleType::bf16>(j, n, rows, m0);
+    case ScaleType::f16:
+      return tile_q8_vnni512<MT, GS, BITS, ScaleType::f16>(j, n, rows, m0);
+  }
 }
 template <int MT, int GS, int BITS>
 void run_avx2(const QmmJob& j, int n, int rows, int m0) {
-  tile_q8_avx2<MT, GS, BITS>(j, n, rows, m0);
+  switch (j.stype) {
+    case ScaleType::f32:
+      return tile_q8_avx2<MT, GS, BITS, ScaleType::f32>(j, n, rows, m0);
+    case ScaleType::bf16:
+      return tile_q8_avx2<MT, GS, BITS, ScaleType::bf16>(j, n, rows, m0);
+    case ScaleType::f16:
+      return tile_q8_avx2<MT, GS, BITS, ScaleType::f16>(j, n, rows, m0);
+  }
 }
 
 template <int GS, int BITS, int... MT>

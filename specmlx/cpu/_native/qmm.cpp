@@ -15,10 +15,13 @@
 namespace specmlx {
 namespace {
 
-// A worker parked past the pool's spin window costs 20-160 us to wake on a VM, so a matmul
-// is split across threads only when each thread gets at least this much work (weights
-// touched x (rows of x + 2), roughly the instruction count of the inner loop).
-constexpr size_t kMinWorkPerThread = size_t(3) << 21;
+// A matmul is split across threads only when each thread gets at least this much work
+// (weights touched x (rows of x + 2), roughly the instruction count of the inner loop).
+// Within a pass the pool's workers are still spinning from the last op, so a split costs a
+// few microseconds: a 1536 x 1536 layer at one row (a 1.5B's q and o) splits, a 256-row k
+// or v does not. (Three times this, the bound while workers parked between ops, left those
+// q and o layers on one thread: 3% of a 1.5B step, bench/results/README.md.)
+constexpr size_t kMinWorkPerThread = size_t(1) << 20;
 
 std::atomic<Isa> g_isa{detect_isa()};
 std::atomic<Activations> g_activations{Activations::float32};
