@@ -2,7 +2,8 @@
 
 A step is timed whole (graph building and eval), then its parts are each run alone at
 the same shapes, in one graph per part, so each is the time the part costs when nothing
-else runs: every linear layer of the blocks (the INT4 kernel), the output head, the
+else runs: every linear layer of the blocks (the INT4 kernel; then each kind of layer
+alone, with its GB/s: small layers can lag where the big ones stream), the output head, the
 attention over the cache, and the Python that builds the step's graph. What is left of
 the step is norms, RoPE, residual adds, the cache writes and MLX's per-op dispatch. The
 floor is the bytes the step must read (every weight but the embedding table, of which
@@ -76,13 +77,22 @@ def timed(build, repeat: int) -> float:
     return median(samples)
 
 
-def block_linears(module: nn.Module) -> list[nn.Module]:
-    """The quantized linear layers inside the transformer blocks (not the head)."""
-    return [
-        m
+def block_linears(module: nn.Module) -> dict[str, nn.Module]:
+    """The quantized linear layers inside the transformer blocks (not the head), by name."""
+    return {
+        name: m
         for name, m in module.named_modules()
         if isinstance(m, nn.QuantizedLinear) and ".layers." in f".{name}"
-    ]
+    }
+
+
+def by_kind(names: list[str]) -> dict[str, list[int]]:
+    """Indices of the layers of each kind, the last part of a name (q_proj, down_proj, …):
+    a kind's layers share one shape, so its GB/s shows how the kernel does at that shape."""
+    kinds: dict[str, list[int]] = {}
+    for i, name in enumerate(names):
+        kinds.setdefault(name.rsplit(".", 1)[-1], []).append(i)
+    return kinds
 
 
 def head_of(module: nn.Module):
@@ -132,7 +142,9 @@ def main() -> None:
     timed_pass(model, cache, token)
 
     dtype = mx.float32 if model.dtype == "float32" else getattr(mx, model.dtype)
-    linears = block_linears(module)
+    named = block_linears(module)
+    linears = list(named.values())
+    kinds = by_kind(list(named))
     xs = [mx.random.normal((1, 1, m.weight.shape[1] * 32 // m.bits)).astype(dtype) for m in linears]
     head = head_of(module)
     hidden = mx.random.normal((1, 1, module.args.hidden_size)).astype(dtype)
@@ -167,10 +179,12 @@ def main() -> None:
     def step() -> float:
         return median(timed_pass(model, cache, token) for _ in range(args.repeat))
 
-    def layers():
-        return [m(x) for m, x in zip(linears, xs, strict=True)]
+    def layers(which: list[int] | None = None):
+        chosen = range(len(linears)) if which is None else which
+        return [linears[i](xs[i]) for i in chosen]
 
     parts: dict[str, list[float]] = {}
+    per_kind: dict[str, list[float]] = {}
     for _ in range(3):  # interleaved: load on the machine moves every part alike
         for name, run in (
             ("step", step),
@@ -180,11 +194,23 @@ def main() -> None:
             ("graph building (Python)", build_only),
         ):
             parts.setdefault(name, []).append(run())
+        for kind, which in kinds.items():
+            per_kind.setdefault(kind, []).append(timed(lambda w=which: layers(w), args.repeat))
     ms = {name: median(v) * 1e3 for name, v in parts.items()}
     ms["the rest"] = ms["step"] - sum(v for k, v in ms.items() if k != "step")
     threads = native.threads() if native.available() else 1
     gbs = dram_read_gbs(threads)
     floor = step_bytes(module) / gbs / 1e6
+    kind_rows = {}
+    for kind, which in kinds.items():
+        seconds = median(per_kind[kind])
+        nbytes = sum(sum(v.nbytes for _, v in tree_flatten(linears[i].parameters())) for i in which)
+        kind_rows[kind] = {
+            "layers": len(which),
+            "ms": round(seconds * 1e3, 2),
+            "us_per_layer": round(seconds / len(which) * 1e6, 1),
+            "gb_s": round(nbytes / seconds / 1e9, 1),
+        }
     result = {
         "model": str(args.model),
         "cpu": cpu_name(),
@@ -192,6 +218,7 @@ def main() -> None:
         "mlx": mx.__version__,
         "context": args.context,
         "ms": {k: round(v, 2) for k, v in ms.items()},
+        "linear_layers_by_kind": kind_rows,
         "step_bytes": step_bytes(module),
         "dram_read_gbs": round(gbs, 1),
         "floor_ms": round(floor, 2),
@@ -204,6 +231,10 @@ def main() -> None:
         f"floor: {result['step_bytes'] / 1e6:.0f} MB read per step at {gbs:.1f} GB/s "
         f"({threads} threads) = {floor:.1f} ms; the step is {ms['step'] / floor:.2f}x the floor"
     )
+    print("\n| linear layers | n | ms | µs each | GB/s |\n| --- | --- | --- | --- | --- |")
+    for kind, row in kind_rows.items():
+        cells = (kind, row["layers"], f"{row['ms']:.2f}", row["us_per_layer"], row["gb_s"])
+        print("| " + " | ".join(map(str, cells)) + " |")
     if args.json:
         tmp = args.json.with_suffix(".tmp")
         tmp.write_text(json.dumps(result, indent=1))
