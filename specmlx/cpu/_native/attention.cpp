@@ -25,6 +25,7 @@
 #include <utility>
 
 #include "kernels.h"
+#include "scratch.h"
 #include "strided.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "qmm.h"
@@ -318,15 +319,6 @@ Kernels kernels_for(Isa isa) {
       break;
   }
   return {1, scores_scalar, exp_row_scalar, values_scalar};
-}
-
-// Scratch on each pool thread that only grows.
-float* scratch(std::unique_ptr<float[]>& buf, size_t& cap, size_t n) {
-  if (n > cap) {
-    buf.reset(new float[n]);
-    cap = n;
-  }
-  return buf.get();
 }
 
 // Rows [r0, r1) of one tile: the query rows that read KV head `kvh` of batch `b`, ordered

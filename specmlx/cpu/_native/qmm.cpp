@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "kernels.h"
+#include "scratch.h"
 #include "strided.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "thread_pool.h"
@@ -81,17 +82,6 @@ void pack_any(const void* src, mx::Dtype t, float* dst, int M, int K, int ldx, i
 template <typename T>
 void store_as(const float* y, void* out, size_t n) {
   std::transform(y, y + n, static_cast<T*>(out), [](float v) { return static_cast<T>(v); });
-}
-
-// Scratch that lives on MLX's CPU stream thread and only grows: prefill-sized x copies
-// would otherwise page-fault fresh memory on every call.
-template <typename T>
-T* scratch(std::unique_ptr<T[]>& buf, size_t& cap, size_t n) {
-  if (n > cap) {
-    buf.reset(new T[n]);
-    cap = n;
-  }
-  return buf.get();
 }
 
 // The rows of x as float32, one at a time, into the int8 layout of kernels_q8.cpp.
