@@ -91,6 +91,7 @@ def prepare(
         if stored:
             native.keep_stored_halves(module, stored)
         native.patch_mlps(module)
+        native.patch_projections(module)
     if use_native:
         attention.patch_model(module)
         layers.patch_model(module)  # before compiled: the native norms and RoPEs stay uncompiled

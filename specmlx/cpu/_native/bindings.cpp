@@ -46,6 +46,21 @@ NB_MODULE(_ext, m) {
       "x @ dequantize(w, scales, biases).T (+ bias, (N,) of the scales' type, on a float32 "
       "product) for 4/8-bit affine weights on the default CPU stream.");
   m.def(
+      "stacked_matmul",
+      [](const specmlx::mx::array& x,
+         const std::vector<specmlx::mx::array>& weights,
+         const std::vector<specmlx::mx::array>& biases,
+         int group_size,
+         int bits) { return specmlx::stacked_matmul(x, weights, biases, group_size, bits); },
+      "x"_a,
+      "weights"_a,
+      "biases"_a,
+      "group_size"_a = 64,
+      "bits"_a = 4,
+      "[x @ dequantize(w_i).T (+ bias_i) for each (w_i, scales_i, biases_i) of weights], one "
+      "op on the default CPU stream: every matrix shares K and the scales' type; biases: one "
+      "per matrix (a float32 product) or none.");
+  m.def(
       "gated_matmul",
       [](const specmlx::mx::array& x,
          const specmlx::mx::array& w_gate,

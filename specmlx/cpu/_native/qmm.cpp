@@ -6,6 +6,7 @@
 #include <optional>
 #include <stdexcept>
 #include <type_traits>
+#include <vector>
 
 #include "kernels.h"
 #include "scratch.h"
@@ -216,6 +217,74 @@ void run(const Call& c) {
   }
 }
 
+// One product of a stacked call: its matrix, optional bias, and output.
+struct Product {
+  Weights w;
+  const void* bias;
+  void* out;
+  int N;
+};
+
+// x @ w_i^T (+ bias_i) for several matrices of one K: x prepared once, and the row pairs
+// of all of them shared out among the threads in one run, so a small matrix (a k or v
+// projection, 256 rows) costs neither a dispatch nor a thread of its own. Each row is
+// computed as the plain product computes it (a pair never straddles two matrices).
+void run_stacked(const Call& c, std::vector<Product>& products) {
+  thread_local std::vector<std::unique_ptr<float[]>> y_bufs;
+  thread_local std::vector<size_t> y_caps;
+  const Isa isa = g_isa.load(std::memory_order_relaxed);
+  const bool q8 = g_activations.load(std::memory_order_relaxed) == Activations::int8;
+  const size_t P = products.size();
+  y_bufs.resize(std::max(y_bufs.size(), P));
+  y_caps.resize(std::max(y_caps.size(), P), 0);
+  QmmJob job{nullptr, nullptr, nullptr, nullptr, c.stype, nullptr, c.M, 0, c.K, c.group_size, c.bits, row_stride(c.K)};
+  prepare_x(c, isa, q8, job);
+  std::vector<QmmJob> jobs(P, job);
+  std::vector<int> first_pair(P + 1, 0);  // product i's pairs are [first_pair[i], first_pair[i + 1])
+  size_t work = 0;
+  for (size_t i = 0; i < P; ++i) {
+    const Product& p = products[i];
+    QmmJob& j = jobs[i];
+    j.w = p.w.w, j.scales = p.w.scales, j.biases = p.w.biases, j.N = p.N;
+    j.y = c.out_type == mx::float32 ? static_cast<float*>(p.out)
+                                     : scratch(y_bufs[i], y_caps[i], size_t(c.M) * p.N);
+    first_pair[i + 1] = first_pair[i] + (p.N + 1) / 2;
+    work += size_t(p.N) * c.K * size_t(c.M + 2);
+  }
+  auto& pool = ThreadPool::instance();
+  const int pairs = first_pair[P];
+  const int n_threads = int(std::clamp<size_t>(work / kMinWorkPerThread, 1, std::min(pool.size(), pairs)));
+  const auto rows = q8 ? qmm_rows_q8 : qmm_rows;
+  pool.run(n_threads, [&](int t) {
+    const int p0 = int(int64_t(pairs) * t / n_threads), p1 = int(int64_t(pairs) * (t + 1) / n_threads);
+    for (size_t i = 0; i < P; ++i) {
+      const int lo = std::max(p0, first_pair[i]), hi = std::min(p1, first_pair[i + 1]);
+      if (lo >= hi) {
+        continue;
+      }
+      const QmmJob& j = jobs[i];
+      const int n0 = 2 * (lo - first_pair[i]), n1 = std::min(j.N, 2 * (hi - first_pair[i]));
+      rows(isa, j, n0, n1);
+      if (products[i].bias != nullptr) {
+        for (int m = 0; m < c.M; ++m) {
+          float* row = j.y + size_t(m) * j.N;
+          for (int n = n0; n < n1; ++n) {
+            row[n] += scale_at(products[i].bias, n, c.stype);  // the one rounding of MLX's y + bias
+          }
+        }
+      }
+    }
+  });
+  for (size_t i = 0; i < P; ++i) {
+    const size_t elems = size_t(c.M) * products[i].N;
+    if (c.out_type == mx::bfloat16) {
+      store_as<mx::bfloat16_t>(jobs[i].y, products[i].out, elems);
+    } else if (c.out_type == mx::float16) {
+      store_as<mx::float16_t>(jobs[i].y, products[i].out, elems);
+    }
+  }
+}
+
 // x as a row-contiguous input: itself when it already is one (a weight: evaluated, and
 // row-contiguous as stored), else mx::contiguous of it. mx::contiguous adds a graph node
 // even for an array that needs no copy, and a node costs MLX's per-op dispatch: three
@@ -287,6 +356,73 @@ std::vector<mx::Shape> QuantizedMatmul::output_shapes(const std::vector<mx::arra
   return {shape};
 }
 
+void StackedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  const auto& x = inputs[0];
+  const int K = x.shape(-1), P = int(outputs.size());
+  std::vector<Product> products;
+  for (int i = 0; i < P; ++i) {
+    outputs[i].set_data(mx::allocator::malloc(outputs[i].nbytes()));
+    const int at = 1 + 3 * i;
+    products.push_back(
+        {Weights{inputs[at].data<uint32_t>(), inputs[at + 1].data<void>(), inputs[at + 2].data<void>()},
+         biased_ ? inputs[1 + 3 * P + i].data<void>() : nullptr,
+         outputs[i].data<void>(),
+         inputs[at].shape(0)});
+  }
+  if (x.size() == 0) {
+    return;
+  }
+  Call call{
+      nullptr,  // x: set in the task, as for QuantizedMatmul
+      x.dtype(),
+      Weights{nullptr, nullptr, nullptr},
+      Weights{nullptr, nullptr, nullptr},
+      nullptr,
+      GateAct::silu,
+      scale_type(inputs[2].dtype()),
+      nullptr,
+      outputs[0].dtype(),
+      int(x.size() / K),
+      0,
+      K,
+      group_size_,
+      bits_};
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& in : inputs) {
+    encoder.set_input_array(in);
+  }
+  for (auto& out : outputs) {
+    encoder.set_output_array(out);
+  }
+  encoder.dispatch([call, x, products]() mutable {
+    thread_local std::vector<float> x32;
+    thread_local std::vector<uint16_t> x16;
+    call.x = x.dtype() == mx::float32 ? static_cast<const void*>(row_major(x, x32))
+                                      : static_cast<const void*>(row_major(x, x16));
+    run_stacked(call, products);
+  });
+}
+
+void StackedMatmul::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[specmlx] the native INT4 matmul has no GPU kernel");
+}
+
+bool StackedMatmul::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const StackedMatmul&>(other);
+  return group_size_ == o.group_size_ && bits_ == o.bits_ && biased_ == o.biased_;
+}
+
+std::vector<mx::Shape> StackedMatmul::output_shapes(const std::vector<mx::array>& inputs) {
+  const int P = biased_ ? (int(inputs.size()) - 1) / 4 : (int(inputs.size()) - 1) / 3;
+  std::vector<mx::Shape> shapes;
+  for (int i = 0; i < P; ++i) {
+    auto shape = inputs[0].shape();
+    shape.back() = inputs[1 + 3 * i].shape(0);
+    shapes.push_back(shape);
+  }
+  return shapes;
+}
+
 namespace {
 
 void check_weights(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits) {
@@ -304,14 +440,10 @@ void check_weights(const mx::array& w, const mx::array& scales, const mx::array&
 
 // The op behind quantized_matmul and gated_matmul: weights is (w, scales, biases) once, or
 // twice for the gated product; bias (plain products only) is added to the output.
-mx::array qmm_op(
-    const mx::array& x,
-    const std::vector<mx::array>& weights,
-    const std::optional<mx::array>& bias,
-    GateAct act,
-    int group_size,
-    int bits,
-    mx::StreamOrDevice s) {
+// The checks every product makes: the stream, group size and bits, each (w, scales, biases)
+// triple, and x against the first matrix's K, which every matrix must share (and its
+// scales' type). Returns the CPU stream.
+mx::Stream check_call(const mx::array& x, const std::vector<mx::array>& weights, int group_size, int bits, mx::StreamOrDevice s) {
   const auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu) {
     throw std::invalid_argument("[specmlx] quantized_matmul runs on CPU streams only");
@@ -324,21 +456,42 @@ mx::array qmm_op(
   }
   for (size_t i = 0; i < weights.size(); i += 3) {
     check_weights(weights[i], weights[i + 1], weights[i + 2], group_size, bits);
+    if (weights[i].shape(1) != weights[0].shape(1) || weights[i + 1].dtype() != weights[1].dtype()) {
+      throw std::invalid_argument("[specmlx] the matrices of one call must share K and the scales' type");
+    }
   }
-  const mx::array& w = weights[0];
-  const int N = w.shape(0), K = w.shape(1) * (32 / bits);
-  if (weights.size() == 6 &&
-      (weights[3].shape() != w.shape() || weights[4].dtype() != weights[1].dtype())) {
-    throw std::invalid_argument("[specmlx] the gated matmul's two matrices must have one shape and scale type");
-  }
+  const int K = weights[0].shape(1) * (32 / bits);
   if (x.ndim() < 1 || x.shape(-1) != K || !is_float(x.dtype())) {
     throw std::invalid_argument(
         "[specmlx] x must be float32/bfloat16/float16 with last dimension " + std::to_string(K));
   }
-  const auto out_type = mx::promote_types(x.dtype(), weights[1].dtype());
-  if (bias && (out_type != mx::float32 || bias->shape() != mx::Shape{N} || bias->dtype() != weights[1].dtype())) {
+  return stream;
+}
+
+void check_bias(const mx::array& bias, int N, mx::Dtype scales, mx::Dtype out_type) {
+  if (out_type != mx::float32 || bias.shape() != mx::Shape{N} || bias.dtype() != scales) {
     throw std::invalid_argument(
         "[specmlx] a bias must be (N,), of the scales' type, on a float32 product");
+  }
+}
+
+mx::array qmm_op(
+    const mx::array& x,
+    const std::vector<mx::array>& weights,
+    const std::optional<mx::array>& bias,
+    GateAct act,
+    int group_size,
+    int bits,
+    mx::StreamOrDevice s) {
+  const auto stream = check_call(x, weights, group_size, bits, s);
+  const mx::array& w = weights[0];
+  const int N = w.shape(0);
+  if (weights.size() == 6 && weights[3].shape() != w.shape()) {
+    throw std::invalid_argument("[specmlx] the gated matmul's two matrices must have one shape and scale type");
+  }
+  const auto out_type = mx::promote_types(x.dtype(), weights[1].dtype());
+  if (bias) {
+    check_bias(*bias, N, weights[1].dtype(), out_type);
   }
   auto out_shape = x.shape();
   out_shape.back() = N;
@@ -387,6 +540,46 @@ mx::array gated_matmul(
   }
   const GateAct act = activation == "silu" ? GateAct::silu : GateAct::gelu_approx;
   return qmm_op(x, {w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up}, std::nullopt, act, group_size, bits, s);
+}
+
+std::vector<mx::array> stacked_matmul(
+    const mx::array& x,
+    const std::vector<mx::array>& weights,
+    const std::vector<mx::array>& biases,
+    int group_size,
+    int bits,
+    mx::StreamOrDevice s) {
+  if (weights.empty() || weights.size() % 3 != 0) {
+    throw std::invalid_argument("[specmlx] stacked_matmul takes (w, scales, biases) for each matrix");
+  }
+  const size_t P = weights.size() / 3;
+  if (!biases.empty() && biases.size() != P) {
+    throw std::invalid_argument("[specmlx] stacked_matmul takes a bias for every matrix or for none");
+  }
+  const auto stream = check_call(x, weights, group_size, bits, s);
+  const auto out_type = mx::promote_types(x.dtype(), weights[1].dtype());
+  std::vector<mx::array> inputs{x};  // as it is: the task gathers a view
+  std::vector<mx::Shape> shapes;
+  for (size_t i = 0; i < P; ++i) {
+    const int N = weights[3 * i].shape(0);
+    if (!biases.empty()) {
+      check_bias(biases[i], N, weights[1].dtype(), out_type);
+    }
+    for (size_t k = 3 * i; k < 3 * i + 3; ++k) {
+      inputs.push_back(row_contiguous(weights[k], stream));
+    }
+    auto shape = x.shape();
+    shape.back() = N;
+    shapes.push_back(std::move(shape));
+  }
+  for (const auto& bias : biases) {
+    inputs.push_back(row_contiguous(bias, stream));
+  }
+  return mx::array::make_arrays(
+      std::move(shapes),
+      std::vector<mx::Dtype>(P, out_type),
+      std::make_shared<StackedMatmul>(stream, group_size, bits, !biases.empty()),
+      std::move(inputs));
 }
 
 int threads() {

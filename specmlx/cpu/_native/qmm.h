@@ -4,6 +4,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
@@ -44,6 +45,18 @@ mx::array gated_matmul(
     const std::string& activation = "silu",
     mx::StreamOrDevice s = {});
 
+// x @ dequantize(w_i)^T (+ bias_i) for several matrices of one K and scale type (a layer's
+// q, k and v projections): `weights` holds (w, scales, biases) per matrix, `biases` one
+// bias per matrix or none. One output per matrix, each bitwise the plain product's, from
+// one op: x quantized once and every matrix's rows shared out among the threads together.
+std::vector<mx::array> stacked_matmul(
+    const mx::array& x,
+    const std::vector<mx::array>& weights,
+    const std::vector<mx::array>& biases,
+    int group_size,
+    int bits,
+    mx::StreamOrDevice s = {});
+
 // Both ops' primitive: inputs x, w, scales, biases; then the up matrix's three for the
 // gated product; then the bias, if any.
 class QuantizedMatmul : public mx::UnaryPrimitive {
@@ -66,6 +79,28 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
   bool gated_;
   bool biased_;
   GateAct act_;
+};
+
+// stacked_matmul's primitive: inputs x, then (w, scales, biases) per matrix, then the
+// biases, if any; one output per matrix.
+class StackedMatmul : public mx::Primitive {
+ public:
+  StackedMatmul(mx::Stream stream, int group_size, int bits, bool biased)
+      : mx::Primitive(stream), group_size_(group_size), bits_(bits), biased_(biased) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+
+  const char* name() const override {
+    return "SpecmlxStackedMatmul";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  int group_size_;
+  int bits_;
+  bool biased_;
 };
 
 // Settings visible from Python (for tests and benchmarks).
