@@ -144,3 +144,12 @@ def forced_isa(request):
     native._ext.set_isa(request.param)
     yield request.param
     native._ext.set_isa(best)
+
+
+@pytest.fixture(params=["int8", "float32"])
+def activations(request):
+    """The kernels' activations set to int8, then float32; the setting restored after."""
+    before = native.activations()
+    native.set_activations(request.param)
+    yield request.param
+    native.set_activations(before)

@@ -27,14 +27,6 @@ def layers(n=200, k=256, group_size=64, bits=4, dtype=mx.float32, seed=0):
     return out
 
 
-@pytest.fixture(params=["int8", "float32"])
-def activations(request):
-    before = native.activations()
-    native.set_activations(request.param)
-    yield request.param
-    native.set_activations(before)
-
-
 @needs_gated
 @pytest.mark.parametrize("m", [1, 2, 5, 17])
 @pytest.mark.parametrize("bits", [4, 8])

@@ -33,14 +33,6 @@ def stacked(x, layers):
     return native._ext.stacked_matmul(x, weights, biases, 64, layers[0].bits)
 
 
-@pytest.fixture(params=["int8", "float32"])
-def activations(request):
-    before = native.activations()
-    native.set_activations(request.param)
-    yield request.param
-    native.set_activations(before)
-
-
 @needs_stacked
 @pytest.mark.parametrize("m", [1, 3, 9])
 @pytest.mark.parametrize("bias", [True, False])

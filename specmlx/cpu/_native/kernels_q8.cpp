@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <type_traits>
 #include <utility>
 
 #include "kernels.h"
@@ -447,28 +448,26 @@ SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n, int rows, int m0) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Tables of instantiations: [bits 4/8][group size 32/64/128][MT - 1].
-template <int MT, int GS, int BITS>
-void run_vnni512(const QmmJob& j, int n, int rows, int m0) {
-  switch (j.stype) {
+// Tables of instantiations: [bits 4/8][group size 32/64/128][MT - 1], each entry picking
+// the tile for the job's scale type (a template parameter of the tiles).
+template <typename Tile>
+void with_scale_type(ScaleType t, Tile&& tile) {
+  switch (t) {
     case ScaleType::f32:
-      return tile_q8_vnni512<MT, GS, BITS, ScaleType::f32>(j, n, rows, m0);
+      return tile(std::integral_constant<ScaleType, ScaleType::f32>{});
     case ScaleType::bf16:
-      return tile_q8_vnni512<MT, GS, BITS, ScaleType::bf16>(j, n, rows, m0);
+      return tile(std::integral_constant<ScaleType, ScaleType::bf16>{});
     case ScaleType::f16:
-      return tile_q8_vnni512<MT, GS, BITS, ScaleType::f16>(j, n, rows, m0);
+      return tile(std::integral_constant<ScaleType, ScaleType::f16>{});
   }
 }
 template <int MT, int GS, int BITS>
+void run_vnni512(const QmmJob& j, int n, int rows, int m0) {
+  with_scale_type(j.stype, [&](auto st) { tile_q8_vnni512<MT, GS, BITS, st.value>(j, n, rows, m0); });
+}
+template <int MT, int GS, int BITS>
 void run_avx2(const QmmJob& j, int n, int rows, int m0) {
-  switch (j.stype) {
-    case ScaleType::f32:
-      return tile_q8_avx2<MT, GS, BITS, ScaleType::f32>(j, n, rows, m0);
-    case ScaleType::bf16:
-      return tile_q8_avx2<MT, GS, BITS, ScaleType::bf16>(j, n, rows, m0);
-    case ScaleType::f16:
-      return tile_q8_avx2<MT, GS, BITS, ScaleType::f16>(j, n, rows, m0);
-  }
+  with_scale_type(j.stype, [&](auto st) { tile_q8_avx2<MT, GS, BITS, st.value>(j, n, rows, m0); });
 }
 
 template <int GS, int BITS, int... MT>
