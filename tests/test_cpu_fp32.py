@@ -219,5 +219,10 @@ def test_prepare_int4_routes_every_layer_through_the_native_kernel():
     before = model(TOKENS)
     assert cpu.prepare(model, "int4", "cpu") == ("int4", "requested")
     kinds = {type(m) for m in quantized_layers(model)}
-    assert kinds == {native.NativeQuantizedLinear, native.NativeQuantizedEmbedding}
+    # q, k and v run stacked (patch_projections): native layers of their own subclass
+    assert kinds == {
+        native.NativeQuantizedLinear,
+        native.NativeStackedLinear,
+        native.NativeQuantizedEmbedding,
+    }
     assert mx.allclose(model(TOKENS), before, atol=1e-4).item()
