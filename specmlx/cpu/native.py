@@ -373,17 +373,22 @@ GATED_BODIES = {
 }
 
 
+def _call_tree(cls: type) -> ast.Module | None:
+    """The syntax tree of cls.__call__'s source, or None where it has none to read."""
+    try:
+        return ast.parse(textwrap.dedent(inspect.getsource(cls.__call__)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+
+
 def _gated_activation(cls: type) -> str | None:
     """The activation of cls.__call__(self, x) if it is down_proj(act(gate_proj(x)) *
     up_proj(x)) for an activation the gated op has, else None."""
     from mlx_lm.models import activations
 
     call = cls.__call__
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(call)))
-    except (OSError, TypeError, SyntaxError):
-        return None
-    fn = tree.body[0] if tree.body else None
+    tree = _call_tree(cls)
+    fn = tree.body[0] if tree is not None and tree.body else None
     if not isinstance(fn, ast.FunctionDef) or [a.arg for a in fn.args.args] != ["self", "x"]:
         return None
     body = [
@@ -453,9 +458,8 @@ QKV = ("q_proj", "k_proj", "v_proj")
 
 def _projects_qkv(cls: type) -> bool:
     """Whether cls.__call__ contains QKV_LINE as a statement of its own."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.__call__)))
-    except (OSError, TypeError, SyntaxError):
+    tree = _call_tree(cls)
+    if tree is None:
         return False
     line = ast.dump(ast.parse(QKV_LINE).body[0])
     return any(ast.dump(node) == line for node in ast.walk(tree) if isinstance(node, ast.Assign))

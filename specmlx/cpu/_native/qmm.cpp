@@ -163,6 +163,32 @@ void prepare_x(const Call& c, Isa isa, bool q8, QmmJob& job) {
   }
 }
 
+// How many threads a product of this much work (weights touched x (rows of x + 2)) over
+// this many row pairs takes: see kMinWorkPerThread.
+int threads_for(size_t work, int pairs) {
+  const auto& pool = ThreadPool::instance();
+  return int(std::clamp<size_t>(work / kMinWorkPerThread, 1, std::min(pool.size(), pairs)));
+}
+
+// Columns [n0, n1) of y (M rows of N) plus bias: the one rounding of MLX's y + bias.
+void add_bias(float* y, const void* bias, ScaleType t, int M, int N, int n0, int n1) {
+  for (int m = 0; m < M; ++m) {
+    float* row = y + size_t(m) * N;
+    for (int n = n0; n < n1; ++n) {
+      row[n] += scale_at(bias, n, t);
+    }
+  }
+}
+
+// y (float32 scratch) into a half output; a float32 output was written in place.
+void store_output(const float* y, void* out, mx::Dtype out_type, size_t n) {
+  if (out_type == mx::bfloat16) {
+    store_as<mx::bfloat16_t>(y, out, n);
+  } else if (out_type == mx::float16) {
+    store_as<mx::float16_t>(y, out, n);
+  }
+}
+
 // x @ a^T, or with b: act(x @ a^T) * (x @ b^T). Each thread takes a range of output
 // columns, of both products, and applies the activation to its own range.
 void run(const Call& c) {
@@ -184,22 +210,15 @@ void run(const Call& c) {
     up.biases = c.b.biases;
     up.y = scratch(u_buf, u_cap, y_elems);
   }
-  auto& pool = ThreadPool::instance();
   const int pairs = (c.N + 1) / 2;
-  const size_t work = size_t(c.N) * c.K * size_t(c.M + 2) * (gated ? 2 : 1);
-  const int n_threads = int(std::clamp<size_t>(work / kMinWorkPerThread, 1, std::min(pool.size(), pairs)));
+  const int n_threads = threads_for(size_t(c.N) * c.K * size_t(c.M + 2) * (gated ? 2 : 1), pairs);
   const auto rows = q8 ? qmm_rows_q8 : qmm_rows;
-  pool.run(n_threads, [&](int t) {
+  ThreadPool::instance().run(n_threads, [&](int t) {
     const int p0 = int(int64_t(pairs) * t / n_threads), p1 = int(int64_t(pairs) * (t + 1) / n_threads);
     const int n0 = 2 * p0, n1 = std::min(c.N, 2 * p1);
     rows(isa, job, n0, n1);
     if (c.bias != nullptr) {
-      for (int m = 0; m < c.M; ++m) {
-        float* row = y + size_t(m) * c.N;
-        for (int n = n0; n < n1; ++n) {
-          row[n] += scale_at(c.bias, n, c.stype);  // the one rounding of MLX's y + bias
-        }
-      }
+      add_bias(y, c.bias, c.stype, c.M, c.N, n0, n1);
     }
     if (gated) {
       rows(isa, up, n0, n1);
@@ -209,12 +228,7 @@ void run(const Call& c) {
       }
     }
   });
-
-  if (c.out_type == mx::bfloat16) {
-    store_as<mx::bfloat16_t>(y, c.out, y_elems);
-  } else if (c.out_type == mx::float16) {
-    store_as<mx::float16_t>(y, c.out, y_elems);
-  }
+  store_output(y, c.out, c.out_type, y_elems);
 }
 
 // One product of a stacked call: its matrix, optional bias, and output.
@@ -251,11 +265,10 @@ void run_stacked(const Call& c, std::vector<Product>& products) {
     first_pair[i + 1] = first_pair[i] + (p.N + 1) / 2;
     work += size_t(p.N) * c.K * size_t(c.M + 2);
   }
-  auto& pool = ThreadPool::instance();
   const int pairs = first_pair[P];
-  const int n_threads = int(std::clamp<size_t>(work / kMinWorkPerThread, 1, std::min(pool.size(), pairs)));
+  const int n_threads = threads_for(work, pairs);
   const auto rows = q8 ? qmm_rows_q8 : qmm_rows;
-  pool.run(n_threads, [&](int t) {
+  ThreadPool::instance().run(n_threads, [&](int t) {
     const int p0 = int(int64_t(pairs) * t / n_threads), p1 = int(int64_t(pairs) * (t + 1) / n_threads);
     for (size_t i = 0; i < P; ++i) {
       const int lo = std::max(p0, first_pair[i]), hi = std::min(p1, first_pair[i + 1]);
@@ -266,23 +279,22 @@ void run_stacked(const Call& c, std::vector<Product>& products) {
       const int n0 = 2 * (lo - first_pair[i]), n1 = std::min(j.N, 2 * (hi - first_pair[i]));
       rows(isa, j, n0, n1);
       if (products[i].bias != nullptr) {
-        for (int m = 0; m < c.M; ++m) {
-          float* row = j.y + size_t(m) * j.N;
-          for (int n = n0; n < n1; ++n) {
-            row[n] += scale_at(products[i].bias, n, c.stype);  // the one rounding of MLX's y + bias
-          }
-        }
+        add_bias(j.y, products[i].bias, c.stype, c.M, j.N, n0, n1);
       }
     }
   });
   for (size_t i = 0; i < P; ++i) {
-    const size_t elems = size_t(c.M) * products[i].N;
-    if (c.out_type == mx::bfloat16) {
-      store_as<mx::bfloat16_t>(jobs[i].y, products[i].out, elems);
-    } else if (c.out_type == mx::float16) {
-      store_as<mx::float16_t>(jobs[i].y, products[i].out, elems);
-    }
+    store_output(jobs[i].y, products[i].out, c.out_type, size_t(c.M) * products[i].N);
   }
+}
+
+// x's buffer in row-major order, for a task: its own, or a gather of a view into this
+// thread's scratch (float32, or the 16-bit halves as they are).
+const void* row_major_x(const mx::array& x) {
+  thread_local std::vector<float> x32;
+  thread_local std::vector<uint16_t> x16;
+  return x.dtype() == mx::float32 ? static_cast<const void*>(row_major(x, x32))
+                                  : static_cast<const void*>(row_major(x, x16));
 }
 
 // x as a row-contiguous input: itself when it already is one (a weight: evaluated, and
@@ -332,10 +344,7 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
   }
   encoder.set_output_array(out);
   encoder.dispatch([call, x]() mutable {
-    thread_local std::vector<float> x32;
-    thread_local std::vector<uint16_t> x16;
-    call.x = x.dtype() == mx::float32 ? static_cast<const void*>(row_major(x, x32))
-                                      : static_cast<const void*>(row_major(x, x16));
+    call.x = row_major_x(x);
     run(call);
   });
 }
@@ -395,10 +404,7 @@ void StackedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<m
     encoder.set_output_array(out);
   }
   encoder.dispatch([call, x, products]() mutable {
-    thread_local std::vector<float> x32;
-    thread_local std::vector<uint16_t> x16;
-    call.x = x.dtype() == mx::float32 ? static_cast<const void*>(row_major(x, x32))
-                                      : static_cast<const void*>(row_major(x, x16));
+    call.x = row_major_x(x);
     run_stacked(call, products);
   });
 }
