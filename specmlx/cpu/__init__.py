@@ -95,5 +95,6 @@ def prepare(
     if use_native:
         attention.patch_model(module)
         layers.patch_model(module)  # before compiled: the native norms and RoPEs stay uncompiled
+        attention.patch_attentions(module)
         compiled.patch_model(module)
     return mode, why

@@ -22,12 +22,22 @@ sliding_window positions and a mask of the same window). Quantized caches, other
 masks (padding) and everything else keep mlx-lm's path, for any number of rows: a row
 never switches implementation with the number of rows beside it.
 
+An attention layer whose `__call__` is mlx-lm's plain one (CACHED_BODY: Llama, Qwen2,
+Gemma and a dozen more) goes one step further on a plain KVCache with room for the new
+positions: its RoPE, the cache's two slice updates and the attention run as one native op
+(`cached_attention`), writing k and v into the cache's buffers in place. A decode step's
+graph loses ~11 nodes a layer (reshapes, transposes, RoPEs, slice updates, slices), each of
+which cost the Python thread and MLX's dispatch a few microseconds; every output bit and
+the cache's contents are those of the unfused calls. Any other call runs mlx-lm's code.
+
 `SPECMLX_ATTENTION=native|mlx` (default native) is read once, at import; `set_mode`
-switches at run time: the patched function reads the mode on every call.
+switches at run time: the patched function and the fused attentions read the mode on
+every call.
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import sys
 
@@ -38,6 +48,7 @@ from mlx_lm.models.cache import ConcatenateKVCache, KVCache, RotatingKVCache
 
 from ..errors import SpecmlxError
 from . import native
+from .layers import NativeRoPE
 
 MODES = ("native", "mlx")
 ENV = "SPECMLX_ATTENTION"
@@ -91,7 +102,10 @@ def set_mode(name: str) -> None:
 
 def describe() -> str:
     """Which attention runs, for the kernel line of stats and benchmarks."""
-    return "native attention" if mode() == "native" else "mx.fast attention"
+    if mode() != "native":
+        return "mx.fast attention"
+    fused = ", fused with RoPE and the cache write" if cached_available() else ""
+    return "native attention" + fused
 
 
 def _window(
@@ -230,3 +244,149 @@ def patch_model(module: nn.Module) -> bool:
             source.scaled_dot_product_attention = scaled_dot_product_attention
         routed |= current in (mlx_attention, scaled_dot_product_attention)
     return routed
+
+
+# The body of mlx-lm's plain attention __call__(self, x, mask=None, cache=None), as Qwen2,
+# Llama, Gemma, Granite, GLM-4, Helium, InternLM3, StarCoder2 and others have it. Kept here
+# verbatim, not read from mlx-lm, so that a change to mlx-lm's code can only turn the fused
+# op off, never make it compute something else.
+CACHED_BODY = """
+B, L, D = x.shape
+queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+queries = queries.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+keys = keys.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+values = values.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+if cache is not None:
+    queries = self.rope(queries, offset=cache.offset)
+    keys = self.rope(keys, offset=cache.offset)
+    keys, values = cache.update_and_fetch(keys, values)
+else:
+    queries = self.rope(queries)
+    keys = self.rope(keys)
+output = scaled_dot_product_attention(
+    queries, keys, values, cache=cache, scale=self.scale, mask=mask
+)
+output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)
+return self.o_proj(output)
+"""
+
+
+def cached_available() -> bool:
+    """Whether the native extension has the fused cached-attention op."""
+    return hasattr(native._ext, "cached_attention")
+
+
+def _has_cached_body(cls: type) -> bool:
+    """Whether cls.__call__ is (self, x, mask=None, cache=None) with CACHED_BODY, calling
+    mlx-lm's attention function (or this module's)."""
+    tree = native._call_tree(cls)
+    fn = tree.body[0] if tree is not None and tree.body else None
+    if not isinstance(fn, ast.FunctionDef):
+        return False
+    if [a.arg for a in fn.args.args] != ["self", "x", "mask", "cache"]:
+        return False
+    body = [
+        stmt
+        for stmt in fn.body
+        if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant))
+    ]
+    expected = ast.parse(CACHED_BODY).body
+    if [ast.dump(stmt) for stmt in body] != [ast.dump(stmt) for stmt in expected]:
+        return False
+    function = cls.__call__.__globals__.get("scaled_dot_product_attention")
+    return function in (mlx_attention, scaled_dot_product_attention)
+
+
+def _cached_call(
+    attn: nn.Module, x: mx.array, mask: mx.array | str | None, cache: object
+) -> mx.array | None:
+    """CACHED_BODY's result through the fused op, or None where the op does not take the
+    call: not native mode or the CPU, a cache other than a plain KVCache with room for L
+    more positions, an array mask, a scaled RoPE, or shapes and types it does not have."""
+    if mode() != "native" or type(cache) is not KVCache or mx.default_device() != mx.cpu:
+        return None
+    if not (mask is None or (isinstance(mask, str) and mask == "causal")):
+        return None
+    keys, values = cache.keys, cache.values
+    if keys is None or type(attn.rope) is not NativeRoPE or x.dtype != mx.float32 or x.ndim != 3:
+        return None
+    b, length, _ = x.shape
+    _, hkv, size, d = keys.shape
+    if (
+        cache.offset + length > size
+        or values.shape != keys.shape
+        or mx.float32 != keys.dtype
+        or mx.float32 != values.dtype
+        or keys.shape[0] != b
+        or hkv != attn.n_kv_heads
+        or not head_dim_ok(d)
+    ):
+        return None
+    queries, new_keys, new_values = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    if any(a.dtype != mx.float32 for a in (queries, new_keys, new_values)) or (
+        queries.shape != (b, length, attn.n_heads * d)
+        or new_keys.shape != (b, length, hkv * d)
+        or new_values.shape != new_keys.shape
+    ):
+        return None  # nothing evaluated: the projections' nodes are dropped unused
+    rope = attn.rope
+    output, cache.keys, cache.values = native._ext.cached_attention(
+        queries,
+        new_keys,
+        new_values,
+        keys,
+        values,
+        attn.n_heads,
+        cache.offset,
+        rope.dims,
+        rope.traditional,
+        rope.base,
+        rope.scale,
+        attn.scale,
+        mask is not None,
+    )
+    cache.offset += length
+    return attn.o_proj(output)
+
+
+class _CachedAttention:
+    """Mixed in before an attention class with CACHED_BODY: the fused op where it takes the
+    call, the class's own __call__ everywhere else."""
+
+    def __call__(
+        self, x: mx.array, mask: mx.array | str | None = None, cache: object = None
+    ) -> mx.array:
+        out = _cached_call(self, x, mask, cache)
+        return super().__call__(x, mask, cache) if out is None else out
+
+
+_cached_classes: dict[type, type | None] = {}
+
+
+def _cached_class(cls: type) -> type | None:
+    """cls with _CachedAttention mixed in, or None where its __call__ is not CACHED_BODY."""
+    if cls not in _cached_classes:
+        _cached_classes[cls] = (
+            type(f"NativeCached{cls.__name__}", (_CachedAttention, cls), {})
+            if _has_cached_body(cls)
+            else None
+        )
+    return _cached_classes[cls]
+
+
+def patch_attentions(module: nn.Module) -> int:
+    """Give the model's attention layers whose __call__ is CACHED_BODY the fused op (see
+    the module's docstring); returns how many. Call after patch_model, which routes the
+    module's attention function, and after specmlx.cpu.layers.patch_model, which makes
+    their RoPEs native."""
+    if not cached_available() or mx.default_device() != mx.cpu:
+        return 0
+    patched = 0
+    for layer in module.modules():
+        if isinstance(layer, _CachedAttention) or "o_proj" not in layer:
+            continue
+        cached = _cached_class(type(layer))
+        if cached is not None:
+            layer.__class__ = cached
+            patched += 1
+    return patched

@@ -29,6 +29,7 @@
 #include "strided.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "qmm.h"
+#include "rope.h"
 #include "thread_pool.h"
 #include "vexp.h"
 
@@ -574,6 +575,184 @@ mx::array scaled_dot_product_attention(
       mx::float32,
       std::make_shared<Attention>(stream, scale, causal, window, key_start, rotation),
       std::move(inputs));
+}
+
+namespace {
+
+// The cache buffer an output takes: the input's own memory where only this op holds it
+// (MLX's donation, as its slice update does), else a fresh one the task fills with a copy.
+bool take_buffer(const mx::array& in, mx::array& out) {
+  if (in.is_donatable() && in.flags().row_contiguous) {
+    out.copy_shared_buffer(in);
+    return false;
+  }
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  return true;
+}
+
+void copy_rows(const mx::array& in, float* out, std::vector<float>& scratch) {
+  const float* src = row_major(in, scratch);
+  std::copy(src, src + in.size(), out);
+}
+
+} // namespace
+
+void CachedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  const auto &q = inputs[0], &k = inputs[1], &v = inputs[2], &k_cache = inputs[3], &v_cache = inputs[4];
+  auto &out = outputs[0], &k_out = outputs[1], &v_out = outputs[2];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  const bool copy_k = take_buffer(k_cache, k_out), copy_v = take_buffer(v_cache, v_out);
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& in : inputs) {
+    encoder.set_input_array(in);
+  }
+  for (auto& o : outputs) {
+    encoder.set_output_array(o);
+  }
+  const int B = q.shape(0), L = q.shape(1), Hq = n_heads_, Hkv = k_cache.shape(1), S = k_cache.shape(2),
+            D = k_cache.shape(3);
+  Call call{
+      nullptr,  // q, k, v and out: set in the task
+      nullptr,
+      nullptr,
+      nullptr,
+      nullptr,
+      B,
+      Hq,
+      Hkv,
+      L,
+      offset_ + L,
+      D,
+      int64_t(Hkv) * S * D,
+      int64_t(S) * D,
+      D,
+      int64_t(Hkv) * S * D,
+      int64_t(S) * D,
+      D,
+      scale_,
+      causal_,
+      0,
+      0,
+      0};
+  RopeJob rope{
+      nullptr, 0, 0, 0, 1, nullptr, 0, 0, 0, 0, 0, 0, D, rope_dims_, rope_traditional_, rope_base_, rope_scale_,
+      offset_};
+  // The inputs' arrays are held by the task only while it runs: MLX keeps their buffers
+  // alive until then, and the next step's op may take the cache's buffers as its own.
+  encoder.dispatch([call, rope, q, k, v, k_cache, v_cache, copy_k, copy_v, out_p = out.data<float>(),
+                    k_p = k_out.data<float>(), v_p = v_out.data<float>()]() mutable {
+    thread_local std::vector<float> qbuf, kbuf, vbuf, cbuf;
+    thread_local std::unique_ptr<float[]> rows;
+    thread_local size_t rows_cap = 0;
+    const int B = call.B, L = call.Lq, Hq = call.Hq, Hkv = call.Hkv, D = call.D;
+    if (copy_k) {
+      copy_rows(k_cache, k_p, cbuf);
+    }
+    if (copy_v) {
+      copy_rows(v_cache, v_p, cbuf);
+    }
+    // q rotated into (B, Hq, L, D), the layout the attention reads; with L = 1 that is the
+    // output's own layout, so the attention writes there directly.
+    float* qr = scratch(rows, rows_cap, size_t(B) * Hq * L * D * (L > 1 ? 2 : 1));
+    RopeJob rq = rope;
+    rq.x = row_major(q, qbuf);
+    rq.stride_b = int64_t(L) * Hq * D, rq.stride_h = D, rq.stride_t = int64_t(Hq) * D;
+    rq.out = qr, rq.out_b = int64_t(Hq) * L * D, rq.out_h = int64_t(L) * D, rq.out_t = D;
+    rq.B = B, rq.H = Hq, rq.T = L;
+    rope_rows(rq);
+    // k rotated straight into its cache slots; v copied into its own.
+    RopeJob rk = rope;
+    rk.x = row_major(k, kbuf);
+    rk.stride_b = int64_t(L) * Hkv * D, rk.stride_h = D, rk.stride_t = int64_t(Hkv) * D;
+    rk.out = k_p + int64_t(call.Lk - L) * D, rk.out_b = call.ksb, rk.out_h = call.ksh, rk.out_t = D;
+    rk.B = B, rk.H = Hkv, rk.T = L;
+    rope_rows(rk);
+    const float* vs = row_major(v, vbuf);
+    for (int b = 0; b < B; ++b) {
+      for (int t = 0; t < L; ++t) {
+        for (int h = 0; h < Hkv; ++h) {
+          const float* src = vs + ((int64_t(b) * L + t) * Hkv + h) * D;
+          std::copy(src, src + D, v_p + b * call.vsb + h * call.vsh + int64_t(call.Lk - L + t) * D);
+        }
+      }
+    }
+    call.q = qr, call.k = k_p, call.v = v_p;
+    float* heads = L > 1 ? qr + size_t(B) * Hq * L * D : out_p;
+    call.out = heads;
+    run(call);
+    if (L > 1) {  // (B, Hq, L, D) to (B, L, Hq, D)
+      for (int b = 0; b < B; ++b) {
+        for (int h = 0; h < Hq; ++h) {
+          for (int t = 0; t < L; ++t) {
+            const float* src = heads + ((int64_t(b) * Hq + h) * L + t) * D;
+            std::copy(src, src + D, out_p + ((int64_t(b) * L + t) * Hq + h) * D);
+          }
+        }
+      }
+    }
+  });
+}
+
+void CachedAttention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[specmlx] the native cached attention has no GPU kernel");
+}
+
+bool CachedAttention::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const CachedAttention&>(other);
+  return n_heads_ == o.n_heads_ && offset_ == o.offset_ && rope_dims_ == o.rope_dims_ &&
+      rope_traditional_ == o.rope_traditional_ && rope_base_ == o.rope_base_ && rope_scale_ == o.rope_scale_ &&
+      scale_ == o.scale_ && causal_ == o.causal_;
+}
+
+std::vector<mx::array> cached_attention(
+    const mx::array& q,
+    const mx::array& k,
+    const mx::array& v,
+    const mx::array& k_cache,
+    const mx::array& v_cache,
+    int n_heads,
+    int offset,
+    int rope_dims,
+    bool rope_traditional,
+    float rope_base,
+    float rope_scale,
+    float scale,
+    bool causal,
+    mx::StreamOrDevice s) {
+  const auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu) {
+    throw std::invalid_argument("[specmlx] cached attention runs on CPU streams only");
+  }
+  for (const auto* a : {&q, &k, &v, &k_cache, &v_cache}) {
+    if (a->dtype() != mx::float32) {
+      throw std::invalid_argument("[specmlx] cached attention takes float32 arrays");
+    }
+  }
+  if (k_cache.ndim() != 4 || v_cache.shape() != k_cache.shape() || q.ndim() != 3 || k.ndim() != 3 ||
+      v.ndim() != 3) {
+    throw std::invalid_argument(
+        "[specmlx] cached attention takes q, k, v (B, L, H*D) and caches (B, Hkv, S, D) of one shape");
+  }
+  const int B = q.shape(0), L = q.shape(1), Hkv = k_cache.shape(1), S = k_cache.shape(2), D = k_cache.shape(3);
+  if (n_heads <= 0 || Hkv <= 0 || n_heads % Hkv != 0 || k_cache.shape(0) != B || q.shape(2) != n_heads * D ||
+      k.shape() != mx::Shape{B, L, Hkv * D} || v.shape() != k.shape()) {
+    throw std::invalid_argument("[specmlx] cached attention: q, k, v and the caches' shapes do not agree");
+  }
+  if (D % kHeadDimStep != 0 || D <= 0 || D > kMaxHeadDim) {
+    throw std::invalid_argument("[specmlx] cached attention takes head sizes that are multiples of 16 up to 512");
+  }
+  if (L <= 0 || offset < 0 || int64_t(offset) + L > S) {
+    throw std::invalid_argument("[specmlx] cached attention needs room for the new positions in the cache");
+  }
+  if (rope_dims <= 0 || rope_dims % 2 != 0 || rope_dims > D) {
+    throw std::invalid_argument("[specmlx] rope dims must be even, positive and at most D");
+  }
+  return mx::array::make_arrays(
+      {q.shape(), k_cache.shape(), v_cache.shape()},
+      {mx::float32, mx::float32, mx::float32},
+      std::make_shared<CachedAttention>(
+          stream, n_heads, offset, rope_dims, rope_traditional, rope_base, rope_scale, scale, causal),
+      {q, k, v, k_cache, v_cache});
 }
 
 } // namespace specmlx

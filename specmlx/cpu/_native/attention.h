@@ -67,4 +67,72 @@ class Attention : public mx::UnaryPrimitive {
   int rotation_;
 };
 
+// One attention layer's step on a plain KV cache (mlx-lm's KVCache, with room for L more
+// positions), as one op: RoPE of q and k, k and v written into the cache's buffers at
+// positions offset .. offset + L - 1, and attention of the L query rows over positions
+// 0 .. offset + L - 1 (causal over the new ones). q (B, L, Hq*D), k and v (B, L, Hkv*D):
+// the projections as they come; k_cache, v_cache (B, Hkv, S, D). Returns (out (B, L, Hq*D),
+// the new k_cache, the new v_cache): the buffers' own memory where nothing else holds them
+// (as MLX's slice update does), else copies. Every output bit equals that of the rope op,
+// the cache's slice updates and the attention op above, run one after another.
+std::vector<mx::array> cached_attention(
+    const mx::array& q,
+    const mx::array& k,
+    const mx::array& v,
+    const mx::array& k_cache,
+    const mx::array& v_cache,
+    int n_heads,
+    int offset,
+    int rope_dims,
+    bool rope_traditional,
+    float rope_base,
+    float rope_scale,
+    float scale,
+    bool causal,
+    mx::StreamOrDevice s = {});
+
+class CachedAttention : public mx::Primitive {
+ public:
+  CachedAttention(
+      mx::Stream stream,
+      int n_heads,
+      int offset,
+      int rope_dims,
+      bool rope_traditional,
+      float rope_base,
+      float rope_scale,
+      float scale,
+      bool causal)
+      : mx::Primitive(stream),
+        n_heads_(n_heads),
+        offset_(offset),
+        rope_dims_(rope_dims),
+        rope_traditional_(rope_traditional),
+        rope_base_(rope_base),
+        rope_scale_(rope_scale),
+        scale_(scale),
+        causal_(causal) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+
+  const char* name() const override {
+    return "SpecmlxCachedAttention";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape(), inputs[3].shape(), inputs[4].shape()};
+  }
+
+ private:
+  int n_heads_;
+  int offset_;
+  int rope_dims_;
+  bool rope_traditional_;
+  float rope_base_;
+  float rope_scale_;
+  float scale_;
+  bool causal_;
+};
+
 } // namespace specmlx

@@ -143,6 +143,44 @@ NB_MODULE(_ext, m) {
       "window > 0 limits a causal row to the last `window` positions; sinks (Hq,) join "
       "the softmax's denominator.");
   m.def(
+      "cached_attention",
+      [](const specmlx::mx::array& q,
+         const specmlx::mx::array& k,
+         const specmlx::mx::array& v,
+         const specmlx::mx::array& k_cache,
+         const specmlx::mx::array& v_cache,
+         int n_heads,
+         int offset,
+         int rope_dims,
+         bool rope_traditional,
+         float rope_base,
+         float rope_scale,
+         float scale,
+         bool causal) {
+        auto outs = specmlx::cached_attention(
+            q, k, v, k_cache, v_cache, n_heads, offset, rope_dims, rope_traditional, rope_base, rope_scale, scale,
+            causal);
+        return std::make_tuple(outs[0], outs[1], outs[2]);
+      },
+      "q"_a,
+      "k"_a,
+      "v"_a,
+      "k_cache"_a,
+      "v_cache"_a,
+      "n_heads"_a,
+      "offset"_a,
+      "rope_dims"_a,
+      "rope_traditional"_a,
+      "rope_base"_a,
+      "rope_scale"_a,
+      "scale"_a,
+      "causal"_a,
+      "One attention layer's step on a plain KV cache: RoPE of q and k, k and v written at "
+      "positions offset .. offset + L - 1 of the caches (B, Hkv, S, D), attention over "
+      "positions up to each row's; q (B, L, Hq*D), k, v (B, L, Hkv*D). Returns (out (B, L, "
+      "Hq*D), k_cache, v_cache), each bit as the rope op, the caches' slice updates and the "
+      "attention op give it.");
+  m.def(
       "map_tensors",
       &specmlx::map_tensors,
       "path"_a,

@@ -12,20 +12,8 @@
 #include "mlx/backend/cpu/encoder.h"
 
 namespace specmlx {
-namespace {
 
-struct RopeJob {
-  const float* x;
-  int64_t stride_b, stride_h, stride_t, stride_d;  // in floats
-  float* out;
-  int B, H, T, D;
-  int dims;
-  bool traditional;
-  float base, scale;
-  int offset;
-};
-
-void run(const RopeJob& j) {
+void rope_rows(const RopeJob& j) {
   const int half = j.dims / 2;
   // The frequencies as mx.fast.rope's fallback forms them: exp(-i * log(base) / half).
   std::vector<float> inv_freq(half), cos_t(size_t(j.T) * half), sin_t(size_t(j.T) * half);
@@ -45,7 +33,7 @@ void run(const RopeJob& j) {
     for (int h = 0; h < j.H; ++h) {
       for (int t = 0; t < j.T; ++t) {
         const float* x = j.x + b * j.stride_b + h * j.stride_h + t * j.stride_t;
-        float* y = j.out + ((size_t(b) * j.H + h) * j.T + t) * j.D;
+        float* y = j.out + b * j.out_b + h * j.out_h + t * j.out_t;
         const float* c = cos_t.data() + size_t(t) * half;
         const float* s = sin_t.data() + size_t(t) * half;
         const int64_t sd = j.stride_d;
@@ -70,8 +58,6 @@ void run(const RopeJob& j) {
   }
 }
 
-} // namespace
-
 void Rope::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const auto& offset = inputs[1];
   out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -79,6 +65,7 @@ void Rope::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     return;
   }
   const auto& x = inputs[0];
+  const int T = x.shape(2), D = x.shape(3);
   RopeJob job{
       x.data<float>(),
       int64_t(x.strides(0)),
@@ -86,10 +73,13 @@ void Rope::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
       int64_t(x.strides(2)),
       int64_t(x.strides(3)),
       out.data<float>(),
+      int64_t(x.shape(1)) * T * D,
+      int64_t(T) * D,
+      D,
       x.shape(0),
       x.shape(1),
-      x.shape(2),
-      x.shape(3),
+      T,
+      D,
       dims_,
       traditional_,
       base_,
@@ -102,7 +92,7 @@ void Rope::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   encoder.set_output_array(out);
   encoder.dispatch([job, at]() mutable {
     job.offset = *at;  // read when the task runs: the offset may be computed in the graph
-    run(job);
+    rope_rows(job);
   });
 }
 

@@ -8,6 +8,23 @@ namespace specmlx {
 
 namespace mx = mlx::core;
 
+// Rows of x (B, H, T, D), read through its strides, rotated into out through its own (both
+// in floats; out's D axis contiguous), row t at position offset + t: the arithmetic of the
+// rope op, for ops that place its rows elsewhere (a KV cache's slots).
+struct RopeJob {
+  const float* x;
+  int64_t stride_b, stride_h, stride_t, stride_d;
+  float* out;
+  int64_t out_b, out_h, out_t;
+  int B, H, T, D;
+  int dims;
+  bool traditional;
+  float base, scale;
+  int offset;
+};
+
+void rope_rows(const RopeJob& job);
+
 // x: (B, H, T, D) float32, any strides; offset: an int32 scalar
 // (the position of row t = 0). Rotates the first `dims` features of each row by angles
 // (offset + t) * scale * base^(-2i/dims), pairs (i, i + dims/2), or (2i, 2i + 1) when
