@@ -18,6 +18,7 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
+from .cpu import argmax
 from .sampling import SamplingParams, probabilities, sample
 
 
@@ -47,15 +48,18 @@ def accept_reject(
     return n, sample(residual, residual_key)
 
 
-def accept_greedy(logits: mx.array, draft_tokens: mx.array) -> tuple[mx.array, mx.array]:
-    """accept_reject's temperature-0 limit, computed from argmaxes alone.
+def accept_greedy(
+    logits: mx.array, draft_tokens: mx.array, vocab_size: int | None = None
+) -> tuple[mx.array, mx.array]:
+    """accept_reject's temperature-0 limit, computed from argmaxes alone (over the first
+    `vocab_size` logits of each row, all by default).
 
     With one-hot p and q, d_i is accepted exactly when it is the target's argmax, the
     residual at a rejection is one-hot on that argmax, and so is the bonus. The result is
     the same (tested); it just skips V-sized distributions and random draws, which cost
     ~5 ms a round on a CPU (MLX's exp and random bits are scalar there).
     """
-    best = mx.argmax(logits, axis=-1).astype(mx.uint32)
+    best = argmax(logits, vocab_size)
     g = draft_tokens.shape[0]
     n = mx.sum(mx.cumprod((draft_tokens == best[:g]).astype(mx.int32)))
     return n, best[n]
@@ -71,7 +75,7 @@ def make_verifier(params: SamplingParams, vocab_size: int):
     draft and target are compared over the shared tokenizer vocabulary.
     """
     if params.greedy:
-        greedy = mx.compile(lambda logits, drafts: accept_greedy(logits[:, :vocab_size], drafts))
+        greedy = mx.compile(lambda logits, drafts: accept_greedy(logits, drafts, vocab_size))
         return lambda logits, q, draft_tokens, key: (*greedy(logits, draft_tokens), None)
 
     def verify(logits: mx.array, q: mx.array, draft_tokens: mx.array, key: mx.array):
@@ -89,10 +93,8 @@ def make_sampler(params: SamplingParams, vocab_size: int):
     downstream needs the one-hot (see accept_greedy).
     """
     if params.greedy:
-        argmax = mx.compile(
-            lambda logits: mx.argmax(logits[:, :vocab_size], axis=-1).astype(mx.uint32)
-        )
-        return lambda logits, key: (None, argmax(logits))
+        best = mx.compile(lambda logits: argmax(logits, vocab_size))
+        return lambda logits, key: (None, best(logits))
 
     def draw(logits: mx.array, key: mx.array):
         probs = probabilities(logits[:, :vocab_size], params)

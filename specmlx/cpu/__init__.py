@@ -26,14 +26,23 @@ if TYPE_CHECKING:
     import mlx.core as mx
     import mlx.nn as nn
 
-    from .native import available, softmax
+    from .native import argmax, available, softmax
 
-__all__ = ["CPU_WEIGHTS", "available", "blas_info", "describe", "prepare", "setup_cli", "softmax"]
+__all__ = [
+    "CPU_WEIGHTS",
+    "argmax",
+    "available",
+    "blas_info",
+    "describe",
+    "prepare",
+    "setup_cli",
+    "softmax",
+]
 
 # What `--cpu-weights` accepts: auto (see fp32.pick_cpu_weights), int4 as stored, or fp32.
 CPU_WEIGHTS = ("auto", "int4", "fp32")
 
-_LAZY = {"available": "native", "softmax": "native"}
+_LAZY = {"argmax": "native", "available": "native", "softmax": "native"}
 
 
 def __getattr__(name: str):

@@ -266,6 +266,17 @@ def softmax(x: mx.array) -> mx.array:
     return mx.softmax(x, axis=-1)
 
 
+def argmax(x: mx.array, n: int | None = None) -> mx.array:
+    """uint32 index of the largest of each row's first `n` entries (all by default), the
+    first of equals: the native kernel for float32 on a CPU stream (MLX's CPU argmax is a
+    scalar loop), else mx.argmax, with the same result."""
+    n = x.shape[-1] if n is None else min(n, x.shape[-1])
+    kernel = getattr(_ext, "argmax", None)
+    if kernel is not None and x.dtype == mx.float32 and mx.default_device() == mx.cpu:
+        return kernel(x, n)
+    return mx.argmax(x[..., :n], axis=-1).astype(mx.uint32)
+
+
 GATE_ACTIVATIONS = {"silu": nn.silu, "gelu_approx": nn.gelu_approx}
 
 
@@ -327,7 +338,8 @@ class NativeQuantizedLinear(nn.QuantizedLinear):
 
 
 class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
-    """A QuantizedEmbedding whose as_linear (tied output heads) uses `quantized_matmul`.
+    """A QuantizedEmbedding whose as_linear (tied output heads) uses `quantized_matmul`,
+    and whose float32 lookups are one native op (`quantized_rows`) on the CPU.
 
     `lookup_dtype` (set by keep_stored_halves): the lookup widens its gathered rows of
     scales and biases to it before dequantizing, as widening the whole table at load did.
@@ -336,6 +348,18 @@ class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
     lookup_dtype: mx.Dtype | None = None
 
     def __call__(self, x: mx.array) -> mx.array:
+        rows = getattr(_ext, "quantized_rows", None)
+        scales = self["scales"]
+        if (
+            rows is not None
+            and (self.lookup_dtype or scales.dtype) == mx.float32
+            and self.bits in (4, 8)
+            and self.mode == "affine"
+            and x.dtype in (mx.int32, mx.uint32)
+            and mx.default_device() == mx.cpu
+        ):
+            # One op for the ~38 nodes of the gathers and MLX's dequantize; the same bits.
+            return rows(x, self["weight"], scales, self["biases"], self.group_size, self.bits)
         if self.lookup_dtype is None:
             return super().__call__(x)
         return mx.dequantize(

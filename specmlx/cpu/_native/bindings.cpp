@@ -4,7 +4,9 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include "argmax.h"
 #include "attention.h"
+#include "embedding.h"
 #include "mapped.h"
 #include "mlx/version.h"
 #include "qmm.h"
@@ -111,6 +113,13 @@ NB_MODULE(_ext, m) {
       "weight * x * rsqrt(mean(x^2) + eps) over the last axis of float32 rows, on the "
       "default CPU stream.");
   m.def(
+      "argmax",
+      [](const specmlx::mx::array& x, int n) { return specmlx::argmax(x, n); },
+      "x"_a,
+      "n"_a,
+      "uint32 index of each float32 row's largest of its first n entries (the first of "
+      "equals), as mx.argmax gives it, on the default CPU stream.");
+  m.def(
       "softmax",
       [](const specmlx::mx::array& x) { return specmlx::softmax(x); },
       "x"_a,
@@ -180,6 +189,22 @@ NB_MODULE(_ext, m) {
       "positions up to each row's; q (B, L, Hq*D), k, v (B, L, Hkv*D). Returns (out (B, L, "
       "Hq*D), k_cache, v_cache), each bit as the rope op, the caches' slice updates and the "
       "attention op give it.");
+  m.def(
+      "quantized_rows",
+      [](const specmlx::mx::array& ids,
+         const specmlx::mx::array& w,
+         const specmlx::mx::array& scales,
+         const specmlx::mx::array& biases,
+         int group_size,
+         int bits) { return specmlx::quantized_rows(ids, w, scales, biases, group_size, bits); },
+      "ids"_a,
+      "w"_a,
+      "scales"_a,
+      "biases"_a,
+      "group_size"_a,
+      "bits"_a,
+      "Rows `ids` of an MLX affine-quantized table (4 or 8 bits), dequantized to float32 as "
+      "mx.dequantize does with the gathered scales and biases cast to float32.");
   m.def(
       "map_tensors",
       &specmlx::map_tensors,
