@@ -171,3 +171,34 @@ def test_only_the_plain_body_is_fused():
             return super().__call__(x * 2, mask, cache)
 
     assert not attention._has_cached_body(Scaled)
+
+
+def buffer_address(a: mx.array) -> int:
+    view = np.asarray(a)  # a view of a's buffer, dropped at once: it would hold the buffer
+    return view.__array_interface__["data"][0]
+
+
+def test_decode_steps_write_the_cache_in_place(models):
+    from specmlx.caches import make_cache
+
+    module = models["target"].module
+    cache = make_cache(module)
+    mx.eval(module(mx.array([[1, 2, 3]]), cache=cache))
+    mx.eval(module(mx.array([[4]]), cache=cache))
+    before = buffer_address(cache[0].keys)
+    for token in (5, 6, 7):
+        mx.eval(module(mx.array([[token]]), cache=cache))
+    assert buffer_address(cache[0].keys) == before
+
+
+def test_a_cache_array_held_elsewhere_keeps_its_contents(models):
+    from specmlx.caches import make_cache
+
+    module = models["target"].module
+    cache = make_cache(module)
+    mx.eval(module(mx.array([[1, 2, 3]]), cache=cache))
+    held = cache[0].keys  # as a caller reading the cache's state would
+    before = np.array(held)
+    mx.eval(module(mx.array([[4]]), cache=cache))
+    assert np.array_equal(np.array(held), before)
+    assert not np.array_equal(np.array(cache[0].keys)[..., 3, :], before[..., 3, :])

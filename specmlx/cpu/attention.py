@@ -271,6 +271,11 @@ return self.o_proj(output)
 """
 
 
+# sys.getrefcount of a cache array held by the cache and one local name alone (the call's
+# own argument is the third).
+_CACHE_REFS = 3
+
+
 def cached_available() -> bool:
     """Whether the native extension has the fused cached-attention op."""
     return hasattr(native._ext, "cached_attention")
@@ -330,6 +335,9 @@ def _cached_call(
     ):
         return None  # nothing evaluated: the projections' nodes are dropped unused
     rope = attn.rope
+    # Only the cache (and `keys`, `values` here) hold its arrays: the op may write the new
+    # positions into their buffers in place, as MLX's donation lets a slice update do.
+    reuse = sys.getrefcount(keys) == sys.getrefcount(values) == _CACHE_REFS
     output, cache.keys, cache.values = native._ext.cached_attention(
         queries,
         new_keys,
@@ -344,6 +352,7 @@ def _cached_call(
         rope.scale,
         attn.scale,
         mask is not None,
+        reuse,
     )
     cache.offset += length
     return attn.o_proj(output)

@@ -72,9 +72,12 @@ class Attention : public mx::UnaryPrimitive {
 // positions offset .. offset + L - 1, and attention of the L query rows over positions
 // 0 .. offset + L - 1 (causal over the new ones). q (B, L, Hq*D), k and v (B, L, Hkv*D):
 // the projections as they come; k_cache, v_cache (B, Hkv, S, D). Returns (out (B, L, Hq*D),
-// the new k_cache, the new v_cache): the buffers' own memory where nothing else holds them
-// (as MLX's slice update does), else copies. Every output bit equals that of the rope op,
-// the cache's slice updates and the attention op above, run one after another.
+// the new k_cache, the new v_cache). With `reuse` (the caller holds the caches' arrays in
+// one place, which it rebinds to the new ones) the new caches are the old buffers, written
+// in place, where nothing else holds them when the op is queued (no view, no pending task),
+// as MLX's donation gives a slice update its input; otherwise copies. Every output bit
+// equals that of the rope op, the cache's slice updates and the attention op above, run
+// one after another.
 std::vector<mx::array> cached_attention(
     const mx::array& q,
     const mx::array& k,
@@ -89,6 +92,7 @@ std::vector<mx::array> cached_attention(
     float rope_scale,
     float scale,
     bool causal,
+    bool reuse,
     mx::StreamOrDevice s = {});
 
 class CachedAttention : public mx::Primitive {
@@ -102,7 +106,8 @@ class CachedAttention : public mx::Primitive {
       float rope_base,
       float rope_scale,
       float scale,
-      bool causal)
+      bool causal,
+      bool reuse)
       : mx::Primitive(stream),
         n_heads_(n_heads),
         offset_(offset),
@@ -111,7 +116,8 @@ class CachedAttention : public mx::Primitive {
         rope_base_(rope_base),
         rope_scale_(rope_scale),
         scale_(scale),
-        causal_(causal) {}
+        causal_(causal),
+        reuse_(reuse) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -133,6 +139,7 @@ class CachedAttention : public mx::Primitive {
   float rope_scale_;
   float scale_;
   bool causal_;
+  bool reuse_;
 };
 
 } // namespace specmlx

@@ -165,10 +165,11 @@ NB_MODULE(_ext, m) {
          float rope_base,
          float rope_scale,
          float scale,
-         bool causal) {
+         bool causal,
+         bool reuse) {
         auto outs = specmlx::cached_attention(
             q, k, v, k_cache, v_cache, n_heads, offset, rope_dims, rope_traditional, rope_base, rope_scale, scale,
-            causal);
+            causal, reuse);
         return std::make_tuple(outs[0], outs[1], outs[2]);
       },
       "q"_a,
@@ -184,11 +185,13 @@ NB_MODULE(_ext, m) {
       "rope_scale"_a,
       "scale"_a,
       "causal"_a,
+      "reuse"_a = false,
       "One attention layer's step on a plain KV cache: RoPE of q and k, k and v written at "
       "positions offset .. offset + L - 1 of the caches (B, Hkv, S, D), attention over "
       "positions up to each row's; q (B, L, Hq*D), k, v (B, L, Hkv*D). Returns (out (B, L, "
       "Hq*D), k_cache, v_cache), each bit as the rope op, the caches' slice updates and the "
-      "attention op give it.");
+      "attention op give it. reuse: the caller rebinds its only references to the caches to "
+      "the new ones, which may then be the old buffers written in place.");
   m.def(
       "quantized_rows",
       [](const specmlx::mx::array& ids,
