@@ -284,19 +284,8 @@ def cached_available() -> bool:
 def _has_cached_body(cls: type) -> bool:
     """Whether cls.__call__ is (self, x, mask=None, cache=None) with CACHED_BODY, calling
     mlx-lm's attention function (or this module's)."""
-    tree = native._call_tree(cls)
-    fn = tree.body[0] if tree is not None and tree.body else None
-    if not isinstance(fn, ast.FunctionDef):
-        return False
-    if [a.arg for a in fn.args.args] != ["self", "x", "mask", "cache"]:
-        return False
-    body = [
-        stmt
-        for stmt in fn.body
-        if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant))
-    ]
-    expected = ast.parse(CACHED_BODY).body
-    if [ast.dump(stmt) for stmt in body] != [ast.dump(stmt) for stmt in expected]:
+    body = native.call_body(cls, ["self", "x", "mask", "cache"])
+    if body != [ast.dump(stmt) for stmt in ast.parse(CACHED_BODY).body]:
         return False
     function = cls.__call__.__globals__.get("scaled_dot_product_attention")
     return function in (mlx_attention, scaled_dot_product_attention)

@@ -405,26 +405,34 @@ def _call_tree(cls: type) -> ast.Module | None:
         return None
 
 
+def call_body(cls: type, params: list[str]) -> list[str] | None:
+    """The statements of cls.__call__ (its docstring left out), each as its syntax tree's
+    dump, where its parameters are `params`; None where they are not, or there is no
+    source. Comments, layout and docstrings do not count: a body matches a kept copy of
+    mlx-lm's source when the code is the same."""
+    tree = _call_tree(cls)
+    fn = tree.body[0] if tree is not None and tree.body else None
+    if not isinstance(fn, ast.FunctionDef) or [a.arg for a in fn.args.args] != params:
+        return None
+    return [
+        ast.dump(stmt)
+        for stmt in fn.body
+        if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant))
+    ]
+
+
 def _gated_activation(cls: type) -> str | None:
     """The activation of cls.__call__(self, x) if it is down_proj(act(gate_proj(x)) *
     up_proj(x)) for an activation the gated op has, else None."""
     from mlx_lm.models import activations
 
     call = cls.__call__
-    tree = _call_tree(cls)
-    fn = tree.body[0] if tree is not None and tree.body else None
-    if not isinstance(fn, ast.FunctionDef) or [a.arg for a in fn.args.args] != ["self", "x"]:
-        return None
-    body = [
-        stmt
-        for stmt in fn.body
-        if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant))
-    ]
-    if len(body) != 1:
+    body = call_body(cls, ["self", "x"])
+    if body is None or len(body) != 1:
         return None
     names = {"swiglu": activations.swiglu, "nn": nn}
     for text, (activation, name) in GATED_BODIES.items():
-        if ast.dump(body[0]) == ast.dump(ast.parse(text).body[0]):
+        if body[0] == ast.dump(ast.parse(text).body[0]):
             return activation if call.__globals__.get(name) is names[name] else None
     return None
 
