@@ -27,6 +27,14 @@ def test_rows_equal_mlxs_dequantize(bits, dtype, group_size):
     assert np.array_equal(np.array(got), np.array(want))
 
 
+def test_ids_in_a_lazy_strided_view_are_read_in_their_order():
+    w, scales, biases = mx.quantize(mx.random.normal((50, 64)), group_size=32, bits=4)
+    ids = mx.array([[1, 2, 9], [3, 4, 7]], mx.int32).T  # not yet evaluated, not contiguous
+    got = native._ext.quantized_rows(ids, w, scales, biases, 32, 4)
+    want = mx.dequantize(w[ids], scales=scales[ids], biases=biases[ids], group_size=32, bits=4)
+    assert np.array_equal(np.array(got), np.array(want))
+
+
 def test_an_id_past_the_table_reads_nothing_outside_it():
     w, scales, biases = mx.quantize(mx.ones((4, 64)), group_size=64, bits=4)
     got = native._ext.quantized_rows(mx.array([4, 1], mx.uint32), w, scales, biases, 64, 4)

@@ -4,12 +4,13 @@
 // MLX's decomposition computes them, q * scale then + bias, each rounded to float32.
 #include "embedding.h"
 
-#include <cmath>
+#include <algorithm>
 #include <limits>
 #include <stdexcept>
 
 #include "kernels.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "strided.h"
 
 namespace specmlx {
 namespace {
@@ -70,15 +71,13 @@ void QuantizedRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& ou
   out.set_data(mx::allocator::malloc(out.nbytes()));
   const auto &ids = inputs[0], &w = inputs[1], &scales = inputs[2], &biases = inputs[3];
   RowsJob job{
-      ids.data<void>(),
+      nullptr,  // ids: set in the task, where their layout is known
       ids.dtype() == mx::int32,
       ids.size(),
       w.data<uint32_t>(),
       scales.data<void>(),
       biases.data<void>(),
-      scales.dtype() == mx::float32 ? ScaleType::f32
-          : scales.dtype() == mx::bfloat16 ? ScaleType::bf16
-                                          : ScaleType::f16,
+      scale_type(scales.dtype()),
       out.data<float>(),
       w.shape(0),
       int(w.shape(1) * 32 / bits_),
@@ -89,7 +88,11 @@ void QuantizedRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& ou
     encoder.set_input_array(in);
   }
   encoder.set_output_array(out);
-  encoder.dispatch([job]() { run(job); });
+  encoder.dispatch([job, ids]() mutable {
+    thread_local std::vector<uint32_t> id_buf;  // int32 and uint32 ids alike: 4-byte copies
+    job.ids = row_major(ids, id_buf);
+    run(job);
+  });
 }
 
 void QuantizedRows::eval_gpu(const std::vector<mx::array>&, mx::array&) {
@@ -123,10 +126,11 @@ mx::array quantized_rows(
   if (group_size <= 0 || K % group_size != 0 || scales.shape(0) != w.shape(0) || scales.shape(1) != K / group_size) {
     throw std::invalid_argument("[specmlx] quantized rows: the scales do not match the codes' groups");
   }
-  // Every operand row-contiguous, as the task reads them: a table is, ids mostly are.
-  std::vector<mx::array> inputs;
-  for (const auto* a : {&ids, &w, &scales, &biases}) {
-    inputs.push_back(a->flags().row_contiguous ? *a : mx::contiguous(*a, false, stream));
+  // ids as they are (the task gathers a view: in a pipelined decode they are the last
+  // step's lazy token), the table row-contiguous as the task reads it.
+  std::vector<mx::array> inputs{ids};
+  for (const auto* a : {&w, &scales, &biases}) {
+    inputs.push_back(row_contiguous(*a, stream));
   }
   auto shape = ids.shape();
   shape.push_back(K);

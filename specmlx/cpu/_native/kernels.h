@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "mlx/dtype.h"
 #include "mlx/types/half_types.h"
 
 // Functions built for one ISA (the file stays baseline x86-64; see detect_isa).
@@ -21,6 +22,11 @@
 namespace specmlx {
 
 enum class ScaleType { f32, bf16, f16 };
+
+// The ScaleType of an array of scales (float32, bfloat16 or float16).
+inline ScaleType scale_type(mlx::core::Dtype t) {
+  return t == mlx::core::float32 ? ScaleType::f32 : t == mlx::core::bfloat16 ? ScaleType::bf16 : ScaleType::f16;
+}
 enum class Isa { scalar, avx2, avx512 };
 
 // A scale or bias as float, for the scalar kernels (MLX's conversions).

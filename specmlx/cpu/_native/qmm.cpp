@@ -32,10 +32,6 @@ bool is_float(mx::Dtype t) {
   return t == mx::float32 || t == mx::bfloat16 || t == mx::float16;
 }
 
-ScaleType scale_type(mx::Dtype t) {
-  return t == mx::float32 ? ScaleType::f32 : t == mx::bfloat16 ? ScaleType::bf16 : ScaleType::f16;
-}
-
 // Where x[k] (k within a group) lands in the packed, lane-ordered copy of x; the inverse of
 // the code order the vector kernels produce (see Layout in kernels.cpp).
 inline int pack_index(int k, int group_words, int lanes) {
@@ -295,17 +291,6 @@ const void* row_major_x(const mx::array& x) {
   thread_local std::vector<uint16_t> x16;
   return x.dtype() == mx::float32 ? static_cast<const void*>(row_major(x, x32))
                                   : static_cast<const void*>(row_major(x, x16));
-}
-
-// x as a row-contiguous input: itself when it already is one (a weight: evaluated, and
-// row-contiguous as stored), else mx::contiguous of it. mx::contiguous adds a graph node
-// even for an array that needs no copy, and a node costs MLX's per-op dispatch: three
-// per linear layer, ~600 in a 1.5B decode step.
-mx::array row_contiguous(const mx::array& x, mx::Stream s) {
-  if (x.is_available() && x.flags().row_contiguous) {
-    return x;
-  }
-  return mx::contiguous(x, false, s);
 }
 
 } // namespace
