@@ -4,6 +4,8 @@
                   to MLX, and `patch_model`, which routes quantized layers through them
     attention.py  mlx-lm's attention function, replaced in a model's modules by one that
                   runs the extension's attention op where it applies (SPECMLX_ATTENTION)
+    blocks.py     a decoder layer whose block and parts are mlx-lm's plain ones and native,
+                  run as one op (norms, q/k/v, attention, o, MLP and residuals)
     fp32.py       the fp32 weights mode: INT4 expanded to float32 at load, and the auto choice
     blas.py       finding a fast BLAS and putting it under MLX before mlx is loaded
 
@@ -55,12 +57,18 @@ def __getattr__(name: str):
 
 def describe() -> str:
     """One line for stats, benchmarks and the cost cache's keys: which INT4 matmul runs,
-    and how, which attention, whether norms, RoPE and gated MLPs run as native ops, and
-    whether the layers' small modules are compiled."""
+    and how, which attention, whether norms, RoPE and gated MLPs run as native ops, whether
+    whole decoder layers do, and whether the layers' small modules are compiled."""
     from .. import compiled
-    from . import attention, layers, native
+    from . import attention, blocks, layers, native
 
-    parts = (native.describe(), attention.describe(), layers.describe(), compiled.describe())
+    parts = (
+        native.describe(),
+        attention.describe(),
+        layers.describe(),
+        blocks.describe(),
+        compiled.describe(),
+    )
     return "; ".join(parts)
 
 
@@ -87,7 +95,7 @@ def prepare(
             f"unknown CPU weights mode {cpu_weights!r}; use one of {', '.join(CPU_WEIGHTS)}"
         )
     from .. import compiled
-    from . import attention, fp32, layers, native
+    from . import attention, blocks, fp32, layers, native
 
     mode, why = fp32.pick_cpu_weights(module, cpu_weights, backend, use_native)
     if mode == "fp32":
@@ -105,5 +113,6 @@ def prepare(
         attention.patch_model(module)
         layers.patch_model(module)  # before compiled: the native norms and RoPEs stay uncompiled
         attention.patch_attentions(module)
+        blocks.patch_blocks(module)
         compiled.patch_model(module)
     return mode, why

@@ -291,12 +291,13 @@ def _has_cached_body(cls: type) -> bool:
     return function in (mlx_attention, scaled_dot_product_attention)
 
 
-def _cached_call(
+def cache_room(
     attn: nn.Module, x: mx.array, mask: mx.array | str | None, cache: object
-) -> mx.array | None:
-    """CACHED_BODY's result through the fused op, or None where the op does not take the
-    call: not native mode or the CPU, a cache other than a plain KVCache with room for L
-    more positions, an array mask, a scaled RoPE, or shapes and types it does not have."""
+) -> tuple[mx.array, mx.array] | None:
+    """The cache's (keys, values) buffers where the fused op can take this call of an
+    attention with CACHED_BODY, else None: not native mode or the CPU, a cache other than
+    a plain KVCache with room for L more positions, an array mask, a scaled RoPE, or shapes
+    and types it does not have."""
     if mode() != "native" or type(cache) is not KVCache or mx.default_device() != mx.cpu:
         return None
     if not (mask is None or (isinstance(mask, str) and mask == "causal")):
@@ -316,6 +317,29 @@ def _cached_call(
         or not head_dim_ok(d)
     ):
         return None
+    return keys, values
+
+
+def reusable(keys: mx.array, values: mx.array) -> bool:
+    """Whether only the cache (and the caller's `keys`, `values`) hold its arrays: the op
+    may then write the new positions into their buffers in place, as MLX's donation lets a
+    slice update do. Call with the cache's arrays bound to those two names alone."""
+    # +1: getrefcount's own argument, +1: this function's parameter
+    return sys.getrefcount(keys) == sys.getrefcount(values) == _CACHE_REFS + 1
+
+
+def _cached_call(
+    attn: nn.Module, x: mx.array, mask: mx.array | str | None, cache: object
+) -> mx.array | None:
+    """CACHED_BODY's result through the fused op, or None where the op does not take the
+    call (see cache_room)."""
+    room = cache_room(attn, x, mask, cache)
+    if room is None:
+        return None
+    keys, values = room
+    del room
+    b, length, _ = x.shape
+    _, hkv, _, d = keys.shape
     queries, new_keys, new_values = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
     if any(a.dtype != mx.float32 for a in (queries, new_keys, new_values)) or (
         queries.shape != (b, length, attn.n_heads * d)
@@ -324,9 +348,7 @@ def _cached_call(
     ):
         return None  # nothing evaluated: the projections' nodes are dropped unused
     rope = attn.rope
-    # Only the cache (and `keys`, `values` here) hold its arrays: the op may write the new
-    # positions into their buffers in place, as MLX's donation lets a slice update do.
-    reuse = sys.getrefcount(keys) == sys.getrefcount(values) == _CACHE_REFS
+    reuse = reusable(keys, values)
     output, cache.keys, cache.values = native._ext.cached_attention(
         queries,
         new_keys,

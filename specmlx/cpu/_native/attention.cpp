@@ -600,14 +600,7 @@ mx::array scaled_dot_product_attention(
       std::move(inputs));
 }
 
-namespace {
-
-// The cache buffer an output takes: the input's own memory where nothing but this op's
-// node holds it (`reuse`: the caller knows of no other holder of the array; the buffer is
-// held by no view and no pending task), else a fresh one the task fills with a copy. MLX's
-// own test, is_donatable, cannot pass here: each output of a multi-output node keeps its
-// own copy of the inputs.
-bool take_buffer(const mx::array& in, mx::array& out, bool reuse) {
+bool take_cache_buffer(const mx::array& in, mx::array& out, bool reuse) {
   const auto& data = in.data_shared_ptr();
   if (reuse && data.use_count() == 1 && data->is_owned() && in.flags().row_contiguous) {
     out.copy_shared_buffer(in);
@@ -617,18 +610,67 @@ bool take_buffer(const mx::array& in, mx::array& out, bool reuse) {
   return true;
 }
 
-void copy_rows(const mx::array& in, float* out, std::vector<float>& scratch) {
+void copy_cache(const mx::array& in, float* out) {
+  thread_local std::vector<float> scratch;
   const float* src = row_major(in, scratch);
   std::copy(src, src + in.size(), out);
 }
 
-} // namespace
+void cached_attention_rows(const CachedJob& j) {
+  thread_local std::unique_ptr<float[]> rows;
+  thread_local size_t rows_cap = 0;
+  const int B = j.B, L = j.L, Hq = j.Hq, Hkv = j.Hkv, S = j.S, D = j.D;
+  const int64_t sb = int64_t(Hkv) * S * D, sh = int64_t(S) * D;
+  Call call{nullptr, nullptr, nullptr, nullptr, nullptr, B, Hq, Hkv, L, j.offset + L, D,
+            sb, sh, D, sb, sh, D, j.scale, j.causal, 0, 0, 0};
+  RopeJob rope{
+      nullptr, 0, 0, 0, 1, nullptr, 0, 0, 0, 0, 0, 0, D, j.rope_dims, j.rope_traditional, j.rope_base, j.rope_scale,
+      j.offset};
+  // q rotated into (B, Hq, L, D), the layout the attention reads; with L = 1 that is the
+  // output's own layout, so the attention writes there directly.
+  float* qr = scratch(rows, rows_cap, size_t(B) * Hq * L * D * (L > 1 ? 2 : 1));
+  RopeJob rq = rope;
+  rq.x = j.q;
+  rq.stride_b = int64_t(L) * Hq * D, rq.stride_h = D, rq.stride_t = int64_t(Hq) * D;
+  rq.out = qr, rq.out_b = int64_t(Hq) * L * D, rq.out_h = int64_t(L) * D, rq.out_t = D;
+  rq.B = B, rq.H = Hq, rq.T = L;
+  rope_rows(rq);
+  // k rotated straight into its cache slots; v copied into its own.
+  RopeJob rk = rope;
+  rk.x = j.k;
+  rk.stride_b = int64_t(L) * Hkv * D, rk.stride_h = D, rk.stride_t = int64_t(Hkv) * D;
+  rk.out = j.k_cache + int64_t(j.offset) * D, rk.out_b = sb, rk.out_h = sh, rk.out_t = D;
+  rk.B = B, rk.H = Hkv, rk.T = L;
+  rope_rows(rk);
+  for (int b = 0; b < B; ++b) {
+    for (int t = 0; t < L; ++t) {
+      for (int h = 0; h < Hkv; ++h) {
+        const float* src = j.v + ((int64_t(b) * L + t) * Hkv + h) * D;
+        std::copy(src, src + D, j.v_cache + b * sb + h * sh + int64_t(j.offset + t) * D);
+      }
+    }
+  }
+  call.q = qr, call.k = j.k_cache, call.v = j.v_cache;
+  float* heads = L > 1 ? qr + size_t(B) * Hq * L * D : j.out;
+  call.out = heads;
+  run(call);
+  if (L > 1) {  // (B, Hq, L, D) to (B, L, Hq, D)
+    for (int b = 0; b < B; ++b) {
+      for (int h = 0; h < Hq; ++h) {
+        for (int t = 0; t < L; ++t) {
+          const float* src = heads + ((int64_t(b) * Hq + h) * L + t) * D;
+          std::copy(src, src + D, j.out + ((int64_t(b) * L + t) * Hq + h) * D);
+        }
+      }
+    }
+  }
+}
 
 void CachedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   const auto &q = inputs[0], &k = inputs[1], &v = inputs[2], &k_cache = inputs[3], &v_cache = inputs[4];
   auto &out = outputs[0], &k_out = outputs[1], &v_out = outputs[2];
   out.set_data(mx::allocator::malloc(out.nbytes()));
-  const bool copy_k = take_buffer(k_cache, k_out, reuse_), copy_v = take_buffer(v_cache, v_out, reuse_);
+  const bool copy_k = take_cache_buffer(k_cache, k_out, reuse_), copy_v = take_cache_buffer(v_cache, v_out, reuse_);
   // The caches are held by the task only where it copies them: a reference would keep the
   // next step from taking their buffers while this task waits to run.
   std::optional<mx::array> k_from, v_from;
@@ -645,85 +687,19 @@ void CachedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector
   for (auto& o : outputs) {
     encoder.set_output_array(o);
   }
-  const int B = q.shape(0), L = q.shape(1), Hq = n_heads_, Hkv = k_cache.shape(1), S = k_cache.shape(2),
-            D = k_cache.shape(3);
-  Call call{
-      nullptr,  // q, k, v and out: set in the task
-      nullptr,
-      nullptr,
-      nullptr,
-      nullptr,
-      B,
-      Hq,
-      Hkv,
-      L,
-      offset_ + L,
-      D,
-      int64_t(Hkv) * S * D,
-      int64_t(S) * D,
-      D,
-      int64_t(Hkv) * S * D,
-      int64_t(S) * D,
-      D,
-      scale_,
-      causal_,
-      0,
-      0,
-      0};
-  RopeJob rope{
-      nullptr, 0, 0, 0, 1, nullptr, 0, 0, 0, 0, 0, 0, D, rope_dims_, rope_traditional_, rope_base_, rope_scale_,
-      offset_};
-  encoder.dispatch([call, rope, q, k, v, k_from, v_from, out_p = out.data<float>(),
-                    k_p = k_out.data<float>(), v_p = v_out.data<float>()]() mutable {
-    thread_local std::vector<float> qbuf, kbuf, vbuf, cbuf;
-    thread_local std::unique_ptr<float[]> rows;
-    thread_local size_t rows_cap = 0;
-    const int B = call.B, L = call.Lq, Hq = call.Hq, Hkv = call.Hkv, D = call.D;
+  CachedJob job{nullptr, nullptr, nullptr, k_out.data<float>(), v_out.data<float>(), out.data<float>(),
+                q.shape(0), q.shape(1), n_heads_, k_cache.shape(1), k_cache.shape(2), k_cache.shape(3), offset_,
+                rope_dims_, rope_traditional_, rope_base_, rope_scale_, scale_, causal_};
+  encoder.dispatch([job, q, k, v, k_from, v_from]() mutable {
+    thread_local std::vector<float> qbuf, kbuf, vbuf;
     if (k_from) {
-      copy_rows(*k_from, k_p, cbuf);
+      copy_cache(*k_from, job.k_cache);
     }
     if (v_from) {
-      copy_rows(*v_from, v_p, cbuf);
+      copy_cache(*v_from, job.v_cache);
     }
-    // q rotated into (B, Hq, L, D), the layout the attention reads; with L = 1 that is the
-    // output's own layout, so the attention writes there directly.
-    float* qr = scratch(rows, rows_cap, size_t(B) * Hq * L * D * (L > 1 ? 2 : 1));
-    RopeJob rq = rope;
-    rq.x = row_major(q, qbuf);
-    rq.stride_b = int64_t(L) * Hq * D, rq.stride_h = D, rq.stride_t = int64_t(Hq) * D;
-    rq.out = qr, rq.out_b = int64_t(Hq) * L * D, rq.out_h = int64_t(L) * D, rq.out_t = D;
-    rq.B = B, rq.H = Hq, rq.T = L;
-    rope_rows(rq);
-    // k rotated straight into its cache slots; v copied into its own.
-    RopeJob rk = rope;
-    rk.x = row_major(k, kbuf);
-    rk.stride_b = int64_t(L) * Hkv * D, rk.stride_h = D, rk.stride_t = int64_t(Hkv) * D;
-    rk.out = k_p + int64_t(call.Lk - L) * D, rk.out_b = call.ksb, rk.out_h = call.ksh, rk.out_t = D;
-    rk.B = B, rk.H = Hkv, rk.T = L;
-    rope_rows(rk);
-    const float* vs = row_major(v, vbuf);
-    for (int b = 0; b < B; ++b) {
-      for (int t = 0; t < L; ++t) {
-        for (int h = 0; h < Hkv; ++h) {
-          const float* src = vs + ((int64_t(b) * L + t) * Hkv + h) * D;
-          std::copy(src, src + D, v_p + b * call.vsb + h * call.vsh + int64_t(call.Lk - L + t) * D);
-        }
-      }
-    }
-    call.q = qr, call.k = k_p, call.v = v_p;
-    float* heads = L > 1 ? qr + size_t(B) * Hq * L * D : out_p;
-    call.out = heads;
-    run(call);
-    if (L > 1) {  // (B, Hq, L, D) to (B, L, Hq, D)
-      for (int b = 0; b < B; ++b) {
-        for (int h = 0; h < Hq; ++h) {
-          for (int t = 0; t < L; ++t) {
-            const float* src = heads + ((int64_t(b) * Hq + h) * L + t) * D;
-            std::copy(src, src + D, out_p + ((int64_t(b) * L + t) * Hq + h) * D);
-          }
-        }
-      }
-    }
+    job.q = row_major(q, qbuf), job.k = row_major(k, kbuf), job.v = row_major(v, vbuf);
+    cached_attention_rows(job);
   });
 }
 

@@ -95,6 +95,33 @@ std::vector<mx::array> cached_attention(
     bool reuse,
     mx::StreamOrDevice s = {});
 
+// The arithmetic of cached_attention on buffers, for ops that run it as one of their steps:
+// q (B, L, Hq*D), k and v (B, L, Hkv*D) row-major; the caches' (B, Hkv, S, D) buffers take
+// the new positions offset .. offset + L - 1; out is (B, L, Hq*D).
+struct CachedJob {
+  const float* q;
+  const float* k;
+  const float* v;
+  float* k_cache;
+  float* v_cache;
+  float* out;
+  int B, L, Hq, Hkv, S, D, offset;
+  int rope_dims;
+  bool rope_traditional;
+  float rope_base, rope_scale;
+  float scale;
+  bool causal;
+};
+void cached_attention_rows(const CachedJob& job);
+
+// The cache buffer an op's output takes: the input's own memory where `reuse` (the caller
+// knows of no other holder of the array) and the buffer is held by no view and no pending
+// task (returns false), else a fresh one (returns true: the task must fill it with
+// copy_cache). MLX's own test, is_donatable, cannot pass here: each output of a
+// multi-output node keeps its own copy of the inputs.
+bool take_cache_buffer(const mx::array& in, mx::array& out, bool reuse);
+void copy_cache(const mx::array& in, float* out);
+
 class CachedAttention : public mx::Primitive {
  public:
   CachedAttention(

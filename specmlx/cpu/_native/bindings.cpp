@@ -7,6 +7,7 @@
 #include "argmax.h"
 #include "attention.h"
 #include "embedding.h"
+#include "layer.h"
 #include "mapped.h"
 #include "mlx/version.h"
 #include "qmm.h"
@@ -151,6 +152,65 @@ NB_MODULE(_ext, m) {
       "j holds position key_start + (j - rotation) mod Lk, the queries the newest ones; "
       "window > 0 limits a causal row to the last `window` positions; sinks (Hq,) join "
       "the softmax's denominator.");
+  m.def(
+      "decoder_layer",
+      [](const specmlx::mx::array& x,
+         const specmlx::mx::array& norm_in,
+         float eps_in,
+         const std::vector<specmlx::mx::array>& qkv,
+         const std::vector<specmlx::mx::array>& qkv_bias,
+         const std::vector<specmlx::mx::array>& o,
+         const specmlx::mx::array& norm_post,
+         float eps_post,
+         const std::vector<specmlx::mx::array>& gate_up,
+         const std::vector<specmlx::mx::array>& down,
+         const specmlx::mx::array& k_cache,
+         const specmlx::mx::array& v_cache,
+         int group_size,
+         int bits,
+         const std::string& activation,
+         int n_heads,
+         int offset,
+         int rope_dims,
+         bool rope_traditional,
+         float rope_base,
+         float rope_scale,
+         float scale,
+         bool causal,
+         bool reuse) {
+        auto outs = specmlx::decoder_layer(
+            x, norm_in, eps_in, qkv, qkv_bias, o, norm_post, eps_post, gate_up, down, k_cache, v_cache, group_size,
+            bits, activation, n_heads, offset, rope_dims, rope_traditional, rope_base, rope_scale, scale, causal,
+            reuse);
+        return std::make_tuple(outs[0], outs[1], outs[2]);
+      },
+      "x"_a,
+      "norm_in"_a,
+      "eps_in"_a,
+      "qkv"_a,
+      "qkv_bias"_a,
+      "o"_a,
+      "norm_post"_a,
+      "eps_post"_a,
+      "gate_up"_a,
+      "down"_a,
+      "k_cache"_a,
+      "v_cache"_a,
+      "group_size"_a,
+      "bits"_a,
+      "activation"_a,
+      "n_heads"_a,
+      "offset"_a,
+      "rope_dims"_a,
+      "rope_traditional"_a,
+      "rope_base"_a,
+      "rope_scale"_a,
+      "scale"_a,
+      "causal"_a,
+      "reuse"_a = false,
+      "One pre-norm decoder layer's step on a plain KV cache (x + o(attention(rms_norm(x))), "
+      "then h + down(act(gate(m)) * up(m)) with m = rms_norm(h)) as one op. Returns (out, "
+      "k_cache, v_cache), each bit as the chain of the layer's native ops.");
   m.def(
       "cached_attention",
       [](const specmlx::mx::array& q,

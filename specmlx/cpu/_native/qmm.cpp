@@ -112,28 +112,9 @@ void quantize_any(
   }
 }
 
-struct Weights {
-  const uint32_t* w;
-  const void* scales;
-  const void* biases;
-};
-
-struct Call {
-  const void* x;
-  mx::Dtype x_type;
-  Weights a;
-  Weights b;  // the gated matmul's second matrix (up); w null for a plain matmul
-  const void* bias;  // (N,) added to a plain matmul's float32 output; null for none
-  GateAct act;  // the gated product's activation
-  ScaleType stype;  // of the scales, biases and bias
-  void* out;
-  mx::Dtype out_type;
-  int M, N, K, group_size, bits;
-};
-
 // x in the layout the kernels read (quantized to int8, or packed float32) into this
 // thread's scratch; the job's x fields point at it.
-void prepare_x(const Call& c, Isa isa, bool q8, QmmJob& job) {
+void prepare_x(const MatmulCall& c, Isa isa, bool q8, QmmJob& job) {
   thread_local std::unique_ptr<float[]> x_buf;
   thread_local size_t x_cap = 0;
   if (q8) {
@@ -185,9 +166,11 @@ void store_output(const float* y, void* out, mx::Dtype out_type, size_t n) {
   }
 }
 
+} // namespace
+
 // x @ a^T, or with b: act(x @ a^T) * (x @ b^T). Each thread takes a range of output
 // columns, of both products, and applies the activation to its own range.
-void run(const Call& c) {
+void run_matmul(const MatmulCall& c) {
   thread_local std::unique_ptr<float[]> y_buf, u_buf;
   thread_local size_t y_cap = 0, u_cap = 0;
   const Isa isa = g_isa.load(std::memory_order_relaxed);
@@ -227,19 +210,11 @@ void run(const Call& c) {
   store_output(y, c.out, c.out_type, y_elems);
 }
 
-// One product of a stacked call: its matrix, optional bias, and output.
-struct Product {
-  Weights w;
-  const void* bias;
-  void* out;
-  int N;
-};
-
 // x @ w_i^T (+ bias_i) for several matrices of one K: x prepared once, and the row pairs
 // of all of them shared out among the threads in one run, so a small matrix (a k or v
 // projection, 256 rows) costs neither a dispatch nor a thread of its own. Each row is
 // computed as the plain product computes it (a pair never straddles two matrices).
-void run_stacked(const Call& c, std::vector<Product>& products) {
+void run_stacked(const MatmulCall& c, std::vector<MatmulProduct>& products) {
   thread_local std::vector<std::unique_ptr<float[]>> y_bufs;
   thread_local std::vector<size_t> y_caps;
   const Isa isa = g_isa.load(std::memory_order_relaxed);
@@ -253,7 +228,7 @@ void run_stacked(const Call& c, std::vector<Product>& products) {
   std::vector<int> first_pair(P + 1, 0);  // product i's pairs are [first_pair[i], first_pair[i + 1])
   size_t work = 0;
   for (size_t i = 0; i < P; ++i) {
-    const Product& p = products[i];
+    const MatmulProduct& p = products[i];
     QmmJob& j = jobs[i];
     j.w = p.w.w, j.scales = p.w.scales, j.biases = p.w.biases, j.N = p.N;
     j.y = c.out_type == mx::float32 ? static_cast<float*>(p.out)
@@ -284,6 +259,8 @@ void run_stacked(const Call& c, std::vector<Product>& products) {
   }
 }
 
+namespace {
+
 // x's buffer in row-major order, for a task: its own, or a gather of a view into this
 // thread's scratch (float32, or the 16-bit halves as they are).
 const void* row_major_x(const mx::array& x) {
@@ -304,13 +281,13 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
   }
   const int K = x.shape(-1);
   const auto weights = [&](int i) {
-    return Weights{inputs[i].data<uint32_t>(), inputs[i + 1].data<void>(), inputs[i + 2].data<void>()};
+    return MatmulWeights{inputs[i].data<uint32_t>(), inputs[i + 1].data<void>(), inputs[i + 2].data<void>()};
   };
-  Call call{
+  MatmulCall call{
       nullptr,  // x: set in the task, where its layout is known
       x.dtype(),
       weights(1),
-      gated_ ? weights(4) : Weights{nullptr, nullptr, nullptr},
+      gated_ ? weights(4) : MatmulWeights{nullptr, nullptr, nullptr},
       biased_ ? inputs.back().data<void>() : nullptr,
       act_,
       scale_type(inputs[2].dtype()),
@@ -330,7 +307,7 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
   encoder.set_output_array(out);
   encoder.dispatch([call, x]() mutable {
     call.x = row_major_x(x);
-    run(call);
+    run_matmul(call);
   });
 }
 
@@ -353,12 +330,12 @@ std::vector<mx::Shape> QuantizedMatmul::output_shapes(const std::vector<mx::arra
 void StackedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   const auto& x = inputs[0];
   const int K = x.shape(-1), P = int(outputs.size());
-  std::vector<Product> products;
+  std::vector<MatmulProduct> products;
   for (int i = 0; i < P; ++i) {
     outputs[i].set_data(mx::allocator::malloc(outputs[i].nbytes()));
     const int at = 1 + 3 * i;
     products.push_back(
-        {Weights{inputs[at].data<uint32_t>(), inputs[at + 1].data<void>(), inputs[at + 2].data<void>()},
+        {MatmulWeights{inputs[at].data<uint32_t>(), inputs[at + 1].data<void>(), inputs[at + 2].data<void>()},
          biased_ ? inputs[1 + 3 * P + i].data<void>() : nullptr,
          outputs[i].data<void>(),
          inputs[at].shape(0)});
@@ -366,11 +343,11 @@ void StackedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<m
   if (x.size() == 0) {
     return;
   }
-  Call call{
+  MatmulCall call{
       nullptr,  // x: set in the task, as for QuantizedMatmul
       x.dtype(),
-      Weights{nullptr, nullptr, nullptr},
-      Weights{nullptr, nullptr, nullptr},
+      MatmulWeights{nullptr, nullptr, nullptr},
+      MatmulWeights{nullptr, nullptr, nullptr},
       nullptr,
       GateAct::silu,
       scale_type(inputs[2].dtype()),

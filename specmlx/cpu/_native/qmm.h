@@ -103,6 +103,38 @@ class StackedMatmul : public mx::Primitive {
   bool biased_;
 };
 
+// The tasks behind the ops, for an op that runs them as steps of its own (layer.cpp): x
+// row-major, every pointer to a buffer the task may use.
+struct MatmulWeights {
+  const uint32_t* w;
+  const void* scales;
+  const void* biases;
+};
+
+struct MatmulCall {
+  const void* x;
+  mx::Dtype x_type;
+  MatmulWeights a;
+  MatmulWeights b;  // the gated matmul's second matrix (up); w null for a plain matmul
+  const void* bias;  // (N,) added to a plain matmul's float32 output; null for none
+  GateAct act;  // the gated product's activation
+  ScaleType stype;  // of the scales, biases and bias
+  void* out;
+  mx::Dtype out_type;
+  int M, N, K, group_size, bits;
+};
+
+// One product of a stacked call: its matrix, optional bias, and output.
+struct MatmulProduct {
+  MatmulWeights w;
+  const void* bias;
+  void* out;
+  int N;
+};
+
+void run_matmul(const MatmulCall& call);
+void run_stacked(const MatmulCall& call, std::vector<MatmulProduct>& products);
+
 // Settings visible from Python (for tests and benchmarks).
 Isa active_isa();  // the kernels' ISA: the best detected, or the one set_isa forced
 int threads();

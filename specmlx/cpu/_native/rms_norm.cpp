@@ -60,6 +60,13 @@ void row_scalar(const float* x, const float* w, float* y, int n, float eps) {
 
 } // namespace
 
+void rms_norm_rows(const float* x, const float* w, float* y, size_t rows, int n, float eps) {
+  const bool avx2 = active_isa() != Isa::scalar;
+  for (size_t r = 0; r < rows; ++r) {
+    (avx2 ? row_avx2 : row_scalar)(x + r * n, w, y + r * n, n, eps);
+  }
+}
+
 void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const auto& x = inputs[0];
   const auto& w = inputs[1];
@@ -79,10 +86,7 @@ void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     thread_local std::vector<float> x_copy, w_copy;
     const float* src = row_major(x, x_copy);
     const float* weight = row_major(w, w_copy);
-    const bool avx2 = active_isa() != Isa::scalar;
-    for (size_t r = 0; r < rows; ++r) {
-      (avx2 ? row_avx2 : row_scalar)(src + r * n, weight, dst + r * n, n, eps);
-    }
+    rms_norm_rows(src, weight, dst, rows, n, eps);
   });
 }
 

@@ -12,6 +12,9 @@ namespace mx = mlx::core;
 // weight * x * rsqrt(mean(x^2) + eps) along the last axis.
 mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::StreamOrDevice s = {});
 
+// The op's arithmetic on row-major buffers: `rows` rows of n floats, x to y.
+void rms_norm_rows(const float* x, const float* w, float* y, size_t rows, int n, float eps);
+
 class RmsNorm : public mx::UnaryPrimitive {
  public:
   RmsNorm(mx::Stream stream, float eps) : mx::UnaryPrimitive(stream), eps_(eps) {}

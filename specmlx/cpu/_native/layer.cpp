@@ -1,0 +1,226 @@
+// A decoder layer's step as one op. A 1.5B decode step was ~9 graph nodes a layer (two
+// norms, the stacked q/k/v product, the cached attention, o, the gated product, down and
+// two adds), and each node costs the Python thread and MLX's dispatch ~16 us whatever its
+// size (bench/results/README.md): ~4 ms of a step. Here the layer's steps run back to back
+// in one task, each through the function its own op's task calls (rms_norm_rows,
+// run_stacked, cached_attention_rows, run_matmul), on scratch buffers, so the result is
+// theirs bit for bit and rows stay independent of each other as they are there.
+#include "layer.h"
+
+#include <memory>
+#include <optional>
+#include <stdexcept>
+
+#include "attention.h"
+#include "kernels.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "qmm.h"
+#include "rms_norm.h"
+#include "scratch.h"
+#include "strided.h"
+
+namespace specmlx {
+namespace {
+
+// Indices of DecoderLayer's inputs.
+constexpr int kX = 0, kNormIn = 1, kNormPost = 2, kQ = 3, kK = 6, kV = 9, kO = 12, kGate = 15, kUp = 18,
+              kDown = 21, kKCache = 24, kVCache = 25, kBias = 26;
+
+MatmulWeights weights_at(const std::vector<mx::array>& in, int i) {
+  return {in[i].data<uint32_t>(), in[i + 1].data<void>(), in[i + 2].data<void>()};
+}
+
+// A float32 product of row-major float32 x (M rows of K) into out.
+MatmulCall matmul_call(const float* x, MatmulWeights a, MatmulWeights b, GateAct act, ScaleType t, float* out,
+                       int M, int N, int K, int group_size, int bits) {
+  return {x, mx::float32, a, b, nullptr, act, t, out, mx::float32, M, N, K, group_size, bits};
+}
+
+void add_rows(const float* a, const float* b, float* out, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    out[i] = a[i] + b[i];
+  }
+}
+
+void check(bool ok, const char* what) {
+  if (!ok) {
+    throw std::invalid_argument(std::string("[specmlx] decoder_layer: ") + what);
+  }
+}
+
+// (w, scales, biases) of an N x K matrix at these settings, scales and biases of one type.
+void check_matrix(const mx::array* t, int N, int K, int group_size, int bits) {
+  check(t[0].dtype() == mx::uint32 && t[0].shape() == mx::Shape{N, K * bits / 32}, "a weight's shape does not fit");
+  const mx::Shape groups{N, K / group_size};
+  check(t[1].shape() == groups && t[2].shape() == groups && t[1].dtype() == t[2].dtype(),
+        "scales and biases must be (N, K/group_size) of one type");
+  check(t[1].dtype() == mx::float32 || t[1].dtype() == mx::float16 || t[1].dtype() == mx::bfloat16,
+        "scales must be float32, float16 or bfloat16");
+}
+
+} // namespace
+
+void DecoderLayer::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  const auto& x = inputs[kX];
+  auto &out = outputs[0], &k_out = outputs[1], &v_out = outputs[2];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  const bool copy_k = take_cache_buffer(inputs[kKCache], k_out, s_.reuse);
+  const bool copy_v = take_cache_buffer(inputs[kVCache], v_out, s_.reuse);
+  std::optional<mx::array> k_from, v_from;  // held by the task only where it copies them
+  if (copy_k) {
+    k_from = inputs[kKCache];
+  }
+  if (copy_v) {
+    v_from = inputs[kVCache];
+  }
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& in : inputs) {
+    encoder.set_input_array(in);
+  }
+  for (auto& o : outputs) {
+    encoder.set_output_array(o);
+  }
+  const auto& kc = inputs[kKCache];
+  const int B = x.shape(0), L = x.shape(1), hidden = x.shape(2), M = B * L;
+  const int Hkv = kc.shape(1), D = kc.shape(3), Hq = s_.n_heads;
+  const int kv = Hkv * D, qd = Hq * D, I = inputs[kGate].shape(0);
+  const int gs = s_.group_size, bits = s_.bits;
+  const GateAct act = GateAct(s_.act);
+  const auto type_at = [&](int i) { return scale_type(inputs[i + 1].dtype()); };
+  const float* norm_in = inputs[kNormIn].data<float>();
+  const float* norm_post = inputs[kNormPost].data<float>();
+  std::vector<MatmulProduct> qkv;
+  for (int i : {kQ, kK, kV}) {
+    const int at = (i - kQ) / 3;
+    qkv.push_back({weights_at(inputs, i), s_.biased ? inputs[kBias + at].data<void>() : nullptr, nullptr,
+                   inputs[i].shape(0)});
+  }
+  const MatmulWeights o = weights_at(inputs, kO), gate = weights_at(inputs, kGate), up = weights_at(inputs, kUp),
+                      down = weights_at(inputs, kDown);
+  const ScaleType t_qkv = type_at(kQ), t_o = type_at(kO), t_gate = type_at(kGate), t_down = type_at(kDown);
+  CachedJob attn{nullptr, nullptr, nullptr, k_out.data<float>(), v_out.data<float>(), nullptr,
+                 B, L, Hq, Hkv, kc.shape(2), D, s_.offset,
+                 s_.rope_dims, s_.rope_traditional, s_.rope_base, s_.rope_scale, s_.scale, s_.causal};
+  float* out_p = out.data<float>();
+  const float eps_in = s_.eps_in, eps_post = s_.eps_post;
+  encoder.dispatch([=]() mutable {
+    thread_local std::vector<float> x_copy;
+    thread_local std::unique_ptr<float[]> buf;
+    thread_local size_t cap = 0;
+    if (k_from) {
+      copy_cache(*k_from, attn.k_cache);
+    }
+    if (v_from) {
+      copy_cache(*v_from, attn.v_cache);
+    }
+    const float* xs = row_major(x, x_copy);
+    // n and m share a buffer (n is dead once q, k and v are made), as do the attention's
+    // output and the gated product (dead once o has run).
+    const size_t rows = size_t(M);
+    float* n = scratch(buf, cap, rows * (hidden + qd + 2 * kv + std::max(qd, I) + hidden));
+    float* q = n + rows * hidden;
+    float* k = q + rows * qd;
+    float* v = k + rows * kv;
+    float* a = v + rows * kv;
+    float* h = a + rows * std::max(qd, I);
+    rms_norm_rows(xs, norm_in, n, rows, hidden, eps_in);
+    qkv[0].out = q, qkv[1].out = k, qkv[2].out = v;
+    run_stacked(matmul_call(n, {}, {}, act, t_qkv, nullptr, M, 0, hidden, gs, bits), qkv);
+    attn.q = q, attn.k = k, attn.v = v, attn.out = a;
+    cached_attention_rows(attn);
+    run_matmul(matmul_call(a, o, {}, act, t_o, h, M, hidden, qd, gs, bits));
+    add_rows(xs, h, h, rows * hidden);
+    rms_norm_rows(h, norm_post, n, rows, hidden, eps_post);
+    run_matmul(matmul_call(n, gate, up, act, t_gate, a, M, I, hidden, gs, bits));
+    run_matmul(matmul_call(a, down, {}, act, t_down, out_p, M, hidden, I, gs, bits));
+    add_rows(h, out_p, out_p, rows * hidden);
+  });
+}
+
+void DecoderLayer::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[specmlx] the native decoder layer has no GPU kernel");
+}
+
+std::vector<mx::array> decoder_layer(
+    const mx::array& x,
+    const mx::array& norm_in,
+    float eps_in,
+    const std::vector<mx::array>& qkv,
+    const std::vector<mx::array>& qkv_bias,
+    const std::vector<mx::array>& o,
+    const mx::array& norm_post,
+    float eps_post,
+    const std::vector<mx::array>& gate_up,
+    const std::vector<mx::array>& down,
+    const mx::array& k_cache,
+    const mx::array& v_cache,
+    int group_size,
+    int bits,
+    const std::string& activation,
+    int n_heads,
+    int offset,
+    int rope_dims,
+    bool rope_traditional,
+    float rope_base,
+    float rope_scale,
+    float scale,
+    bool causal,
+    bool reuse,
+    mx::StreamOrDevice s) {
+  const auto stream = mx::to_stream(s);
+  check(stream.device == mx::Device::cpu, "runs on CPU streams only");
+  check(qkv.size() == 9 && o.size() == 3 && gate_up.size() == 6 && down.size() == 3,
+        "takes (w, scales, biases) for q, k, v, o, gate, up and down");
+  check(qkv_bias.empty() || qkv_bias.size() == 3, "takes a bias for each of q, k and v or for none");
+  check(group_size == 32 || group_size == 64 || group_size == 128, "group_size must be 32, 64 or 128");
+  check(bits == 4 || bits == 8, "bits must be 4 or 8");
+  check(activation == "silu" || activation == "gelu_approx", "the activation is silu or gelu_approx");
+  for (const auto* a : {&x, &norm_in, &norm_post, &k_cache, &v_cache}) {
+    check(a->dtype() == mx::float32, "x, the norms' weights and the caches must be float32");
+  }
+  check(x.ndim() == 3 && k_cache.ndim() == 4 && v_cache.shape() == k_cache.shape(),
+        "takes x (B, L, hidden) and caches (B, Hkv, S, D) of one shape");
+  const int B = x.shape(0), L = x.shape(1), hidden = x.shape(2);
+  const int Hkv = k_cache.shape(1), S = k_cache.shape(2), D = k_cache.shape(3);
+  check(norm_in.shape() == mx::Shape{hidden} && norm_post.shape() == mx::Shape{hidden}, "a norm's weight must be (hidden,)");
+  check(n_heads > 0 && Hkv > 0 && n_heads % Hkv == 0 && k_cache.shape(0) == B, "the heads and caches do not agree");
+  check(D > 0 && D % kHeadDimStep == 0 && D <= kMaxHeadDim, "takes head sizes that are multiples of 16 up to 512");
+  check(L > 0 && offset >= 0 && int64_t(offset) + L <= S, "needs room for the new positions in the cache");
+  check(rope_dims > 0 && rope_dims % 2 == 0 && rope_dims <= D, "rope dims must be even, positive and at most D");
+  check(hidden % group_size == 0, "hidden must be a multiple of the group size");
+  const int I = gate_up[0].shape(0);
+  check_matrix(&qkv[0], n_heads * D, hidden, group_size, bits);
+  check_matrix(&qkv[3], Hkv * D, hidden, group_size, bits);
+  check_matrix(&qkv[6], Hkv * D, hidden, group_size, bits);
+  check(qkv[1].dtype() == qkv[4].dtype() && qkv[1].dtype() == qkv[7].dtype(), "q, k and v must share the scales' type");
+  check_matrix(&o[0], hidden, n_heads * D, group_size, bits);
+  check_matrix(&gate_up[0], I, hidden, group_size, bits);
+  check_matrix(&gate_up[3], I, hidden, group_size, bits);
+  check(gate_up[1].dtype() == gate_up[4].dtype(), "gate and up must share the scales' type");
+  check_matrix(&down[0], hidden, I, group_size, bits);
+  for (size_t i = 0; i < qkv_bias.size(); ++i) {
+    check(qkv_bias[i].shape() == mx::Shape{qkv[3 * i].shape(0)} && qkv_bias[i].dtype() == qkv[1].dtype(),
+          "a bias must be (N,), of the scales' type");
+  }
+  std::vector<mx::array> inputs{x, row_contiguous(norm_in, stream), row_contiguous(norm_post, stream)};
+  for (const auto* group : {&qkv, &o, &gate_up, &down}) {
+    for (const auto& a : *group) {
+      inputs.push_back(row_contiguous(a, stream));
+    }
+  }
+  inputs.push_back(k_cache);
+  inputs.push_back(v_cache);
+  for (const auto& a : qkv_bias) {
+    inputs.push_back(row_contiguous(a, stream));
+  }
+  const DecoderLayer::Settings settings{
+      eps_in, eps_post, group_size, bits, int(activation == "silu" ? GateAct::silu : GateAct::gelu_approx), n_heads,
+      offset, rope_dims, rope_traditional, rope_base, rope_scale, scale, causal, reuse, !qkv_bias.empty()};
+  return mx::array::make_arrays(
+      {x.shape(), k_cache.shape(), v_cache.shape()},
+      {mx::float32, mx::float32, mx::float32},
+      std::make_shared<DecoderLayer>(stream, settings),
+      std::move(inputs));
+}
+
+} // namespace specmlx
