@@ -385,13 +385,11 @@ _cached_classes: dict[type, type | None] = {}
 
 def _cached_class(cls: type) -> type | None:
     """cls with _CachedAttention mixed in, or None where its __call__ is not CACHED_BODY."""
-    if cls not in _cached_classes:
-        _cached_classes[cls] = (
-            type(f"NativeCached{cls.__name__}", (_CachedAttention, cls), {})
-            if _has_cached_body(cls)
-            else None
-        )
-    return _cached_classes[cls]
+    return native.mixed_class(_cached_classes, cls, _CachedAttention, "NativeCached", _cached_attrs)
+
+
+def _cached_attrs(cls: type) -> dict | None:
+    return {} if _has_cached_body(cls) else None
 
 
 def patch_attentions(module: nn.Module) -> int:

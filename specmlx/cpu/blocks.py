@@ -153,13 +153,11 @@ _fused_classes: dict[type, type | None] = {}
 
 def _fused_class(cls: type) -> type | None:
     """cls with _FusedBlock mixed in, or None where its __call__ is not BLOCK_BODY."""
-    if cls not in _fused_classes:
-        _fused_classes[cls] = (
-            type(f"NativeFused{cls.__name__}", (_FusedBlock, cls), {})
-            if _has_block_body(cls)
-            else None
-        )
-    return _fused_classes[cls]
+    return native.mixed_class(_fused_classes, cls, _FusedBlock, "NativeFused", _fused_attrs)
+
+
+def _fused_attrs(cls: type) -> dict | None:
+    return {} if _has_block_body(cls) else None
 
 
 def patch_blocks(module: nn.Module) -> int:

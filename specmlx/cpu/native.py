@@ -25,6 +25,7 @@ import platform
 import sys
 import textwrap
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -447,19 +448,29 @@ class _GatedMLP:
         return self.down_proj(gated_matmul(x, self.gate_proj, self.up_proj, self._activation))
 
 
+def mixed_class(
+    memo: dict[type, type | None], cls: type, mixin: type, prefix: str, attrs: Callable
+) -> type | None:
+    """cls with `mixin` before it in its bases, named prefix + cls's name and given the
+    class attributes attrs(cls) returns, or None where that is None; made once per class
+    and kept in `memo` (one subclass per class, however many layers are patched)."""
+    if cls not in memo:
+        found = attrs(cls)
+        memo[cls] = None if found is None else type(f"{prefix}{cls.__name__}", (mixin, cls), found)
+    return memo[cls]
+
+
 _gated_classes: dict[type, type | None] = {}
+
+
+def _gated_attrs(cls: type) -> dict | None:
+    activation = _gated_activation(cls)
+    return None if activation is None else {"_activation": activation}
 
 
 def _gated_class(cls: type) -> type | None:
     """cls with _GatedMLP mixed in, or None where cls is not a gated MLP the op has."""
-    if cls not in _gated_classes:
-        activation = _gated_activation(cls)
-        _gated_classes[cls] = (
-            None
-            if activation is None
-            else type(f"NativeGated{cls.__name__}", (_GatedMLP, cls), {"_activation": activation})
-        )
-    return _gated_classes[cls]
+    return mixed_class(_gated_classes, cls, _GatedMLP, "NativeGated", _gated_attrs)
 
 
 def patch_mlps(module: nn.Module) -> int:
