@@ -453,10 +453,15 @@ def mixed_class(
 ) -> type | None:
     """cls with `mixin` before it in its bases, named prefix + cls's name and given the
     class attributes attrs(cls) returns, or None where that is None; made once per class
-    and kept in `memo` (one subclass per class, however many layers are patched)."""
+    and kept in `memo` (one subclass per class, however many layers are patched). It keeps
+    cls's module: the architecture's, whose functions (its attention) the patches route."""
     if cls not in memo:
         found = attrs(cls)
-        memo[cls] = None if found is None else type(f"{prefix}{cls.__name__}", (mixin, cls), found)
+        if found is None:
+            memo[cls] = None
+        else:
+            namespace = {"__module__": cls.__module__, **found}
+            memo[cls] = type(prefix + cls.__name__, (mixin, cls), namespace)
     return memo[cls]
 
 
