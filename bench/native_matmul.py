@@ -24,15 +24,14 @@ prompt's cache, trimmed back after each pass), k = 1, 2, 4, 8, 16.
 
 --builds times two builds of the extension (each DIR holds an _ext*.so built for this
 mlx, e.g. from two commits' specmlx/cpu/_native) against each other in one process, the
-builds alternating within every repeat: int8 x, 2 threads, at M = 1, 2, 3, 8, on the
-1.5B's gate/up and down projections (INT4) and the 1.5B head and the 0.5B draft's
-sub-vocabulary head (8-bit), fp16 scales as checkpoints store them. Copies of each matrix
-(~300 MB in all) are cycled so that every call reads its weights from DRAM, as a model's
-step does. --isa forces an instruction set in both. With --model, also whole-model passes
-of that model over k = 1, 2, 4, 8 tokens (on a short prompt's cache, trimmed back after),
-the builds alternating pass by pass: each build's quantized_matmul in turn serves every
-quantized layer, head included, the rest of the extension (softmax, attention) being the
-installed one's throughout.
+builds alternating within every repeat: int8 x (--x float32: float32 x), 2 threads, at
+M = 1, 2, 3, 8, on the 1.5B's gate/up and down projections (INT4) and the 1.5B head and
+the 0.5B draft's sub-vocabulary head (8-bit), fp16 scales as checkpoints store them.
+Copies of each matrix (~300 MB in all) are cycled so that every call reads its weights
+from DRAM, as a model's step does. --isa forces an instruction set in both. With --model,
+also whole-model passes of that model over k = 1, 2, 4, 8 tokens (on a short prompt's
+cache, trimmed back after), the builds alternating pass by pass, each serving every native
+op of the pass (fused decoder layers, attention, norms, head) in turn.
 """
 
 from __future__ import annotations
@@ -255,18 +254,8 @@ def load_build(directory: str):
     return module
 
 
-class _Routed:
-    """The installed extension, but with another build's quantized_matmul."""
-
-    def __init__(self, installed, build) -> None:
-        self._installed, self._build = installed, build
-
-    def __getattr__(self, name: str):
-        return getattr(self._build if name == "quantized_matmul" else self._installed, name)
-
-
 def build_passes(args, builds: dict) -> list[str]:
-    """Table rows: one forward pass of the model over k tokens with each build's matmul."""
+    """Table rows: one forward pass of the model over k tokens on each build in turn."""
     from specmlx.bench import encode
     from specmlx.caches import make_cache, prefill, timed_pass
     from specmlx.loading import load
@@ -276,13 +265,12 @@ def build_passes(args, builds: dict) -> list[str]:
     cache = make_cache(model.module)
     prefill(model, cache, ids)
     installed = native._ext
-    routed = {d: _Routed(installed, ext) for d, ext in builds.items()}
     wall = {d: {k: [] for k in BUILD_PASS_TOKENS} for d in builds}
     try:
         for rep in range(args.reps + 1):  # the first round pays one-time work
             for k in BUILD_PASS_TOKENS:
                 for d in builds:
-                    native._ext = routed[d]
+                    native._ext = builds[d]
                     t = timed_pass(model, cache, ids[-k:])
                     if rep:
                         wall[d][k].append(t)
@@ -292,7 +280,7 @@ def build_passes(args, builds: dict) -> list[str]:
     lines = [
         "",
         f"whole-model pass over k tokens, {model.name} ({len(ids)}-token prompt cached), "
-        f"median of {args.reps}, each build's quantized_matmul in turn:",
+        f"median of {args.reps}, each build serving every native op in turn:",
         "",
         "| k | A ms | B ms | A / B |",
         "|---:|---:|---:|---:|",
@@ -309,13 +297,13 @@ def compare_builds(args) -> list[str]:
     builds = {directory: load_build(directory) for directory in args.builds}
     for ext in builds.values():
         ext.set_threads(2)
-        ext.set_activations("int8")
+        ext.set_activations(args.x)
         if args.isa:
             ext.set_isa(args.isa)
     a, b = args.builds
     lines = [
         f"command: python {' '.join(sys.argv)}",
-        f"cpu: {cpu_name()}, {os.cpu_count()} logical CPUs; int8 x, 2 threads, "
+        f"cpu: {cpu_name()}, {os.cpu_count()} logical CPUs; {args.x} x, 2 threads, "
         f"isa {builds[a].isa()} (int8 tiles {builds[a].q8_kernel()}); mlx {mx.__version__}",
         f"A = {a}, B = {b}; g{GROUP_SIZE}, fp16 scales; ms per call, median of {args.reps} "
         "passes over the cycled copies, the builds interleaved",
@@ -365,6 +353,9 @@ def main() -> None:
     parser.add_argument("--model", help="with --activations: also whole-model passes of this model")
     parser.add_argument("--builds", nargs=2, metavar="DIR", help="time two builds of _ext")
     parser.add_argument("--isa", help="with --builds: force avx512, avx2 or scalar in both")
+    parser.add_argument(
+        "--x", choices=MODES, default="int8", help="with --builds: the activations (default int8)"
+    )
     args = parser.parse_args()
     if args.builds:
         lines = compare_builds(args)

@@ -19,23 +19,25 @@ namespace {
 // x rows kept hot in L2 while a thread sweeps its output rows (floats; 1 MiB).
 constexpr size_t kL2Floats = size_t(1) << 18;
 
-// One tile: output rows n and n + rows - 1 (rows is 1 or 2) for x rows m0 .. m0 + MT - 1.
-using TileFn = void (*)(const QmmJob&, int n, int rows, int m0);
+// One tile: output rows n0 and n1 (n1 == n0: a lone row, computed twice and stored once)
+// for x rows m0 .. m0 + MT - 1.
+using TileFn = void (*)(const QmmJob&, int n0, int n1, int m0);
 
 // ---------------------------------------------------------------------------------------
 // Scalar: plain multiply-adds on unpacked x, for CPUs without AVX2 and as the reference
 // for the vector paths' layouts.
 constexpr int kScalarMaxRows = 4;
 
-void tile_scalar(const QmmJob& j, int n, int rows, int m0, int mt) {
+void tile_scalar(const QmmJob& j, int n0, int n1, int m0, int mt) {
   const int per_word = 32 / j.bits, words = j.K / per_word, groups = j.K / j.group_size;
   const int gwords = j.group_size / per_word;
   const uint32_t mask = (1u << j.bits) - 1;
-  for (int r = 0; r < rows; ++r) {
-    const uint32_t* w = j.w + size_t(n + r) * words;
+  for (int r = 0; r < (n1 == n0 ? 1 : 2); ++r) {
+    const int n = r == 0 ? n0 : n1;
+    const uint32_t* w = j.w + size_t(n) * words;
     float acc[kScalarMaxRows] = {};
     for (int g = 0; g < groups; ++g) {
-      const size_t si = size_t(n + r) * groups + g;
+      const size_t si = size_t(n) * groups + g;
       const float s = scale_at(j.scales, si, j.stype), b = scale_at(j.biases, si, j.stype);
       for (int i = 0; i < gwords; ++i) {
         const uint32_t word = w[g * gwords + i];
@@ -49,7 +51,7 @@ void tile_scalar(const QmmJob& j, int n, int rows, int m0, int mt) {
       }
     }
     for (int m = 0; m < mt; ++m) {
-      j.y[size_t(m0 + m) * j.N + n + r] = acc[m];
+      j.y[size_t(m0 + m) * j.N + n] = acc[m];
     }
   }
 }
@@ -88,13 +90,12 @@ SPECMLX_AVX512 inline __m512i load_block16(const uint32_t* p) {
 }
 
 template <int MT, int G>
-SPECMLX_AVX512 void tile_avx512(const QmmJob& j, int n, int rows, int m0) {
+SPECMLX_AVX512 void tile_avx512(const QmmJob& j, int n0, int n1, int m0) {
   using Lay = Layout<16, G>;
   const int words = j.K / 8, groups = j.K / Lay::GS;
-  const int n1 = n + rows - 1;  // a lone last row is computed twice, stored once
-  const uint32_t* w0 = j.w + size_t(n) * words;
+  const uint32_t* w0 = j.w + size_t(n0) * words;
   const uint32_t* w1 = j.w + size_t(n1) * words;
-  const size_t s0 = size_t(n) * groups, s1 = size_t(n1) * groups;
+  const size_t s0 = size_t(n0) * groups, s1 = size_t(n1) * groups;
   const float* x = j.x + size_t(m0) * j.ldx;
   const __m512 iota =
       _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -110,10 +111,6 @@ SPECMLX_AVX512 void tile_avx512(const QmmJob& j, int n, int rows, int m0) {
     acc1[m] = _mm512_setzero_ps();
   }
   for (int g = 0; g < groups; ++g) {
-    // Prefetch a few groups ahead: two interleaved weight streams plus scales defeat
-    // the hardware prefetcher's run-up at the start of every row pair.
-    _mm_prefetch(reinterpret_cast<const char*>(w0 + (g + 4) * G), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w1 + (g + 4) * G), _MM_HINT_T0);
     const __m512 t0 = _mm512_fmadd_ps(_mm512_set1_ps(scale_f16c(j.scales, s0 + g, j.stype)), iota,
                                       _mm512_set1_ps(scale_f16c(j.biases, s0 + g, j.stype)));
     const __m512 t1 = _mm512_fmadd_ps(_mm512_set1_ps(scale_f16c(j.scales, s1 + g, j.stype)), iota,
@@ -142,8 +139,8 @@ SPECMLX_AVX512 void tile_avx512(const QmmJob& j, int n, int rows, int m0) {
   }
   for (int m = 0; m < MT; ++m) {
     float* y = j.y + size_t(m0 + m) * j.N;
-    y[n] = _mm512_reduce_add_ps(acc0[m]);
-    if (rows == 2) {
+    y[n0] = _mm512_reduce_add_ps(acc0[m]);
+    if (n1 != n0) {
       y[n1] = _mm512_reduce_add_ps(acc1[m]);
     }
   }
@@ -172,13 +169,12 @@ SPECMLX_AVX2 inline __m256i load_block8(const uint32_t* p) {
 }
 
 template <int MT, int G>
-SPECMLX_AVX2 void tile_avx2(const QmmJob& j, int n, int rows, int m0) {
+SPECMLX_AVX2 void tile_avx2(const QmmJob& j, int n0, int n1, int m0) {
   using Lay = Layout<8, G>;
   const int words = j.K / 8, groups = j.K / Lay::GS;
-  const int n1 = n + rows - 1;
-  const uint32_t* w0 = j.w + size_t(n) * words;
+  const uint32_t* w0 = j.w + size_t(n0) * words;
   const uint32_t* w1 = j.w + size_t(n1) * words;
-  const size_t s0 = size_t(n) * groups, s1 = size_t(n1) * groups;
+  const size_t s0 = size_t(n0) * groups, s1 = size_t(n1) * groups;
   const float* x = j.x + size_t(m0) * j.ldx;
   const __m256i low4 = _mm256_set1_epi32(15);
   const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);  // used when C == 2
@@ -219,8 +215,8 @@ SPECMLX_AVX2 void tile_avx2(const QmmJob& j, int n, int rows, int m0) {
   }
   for (int m = 0; m < MT; ++m) {
     float* y = j.y + size_t(m0 + m) * j.N;
-    y[n] = hsum256(acc0[m]);
-    if (rows == 2) {
+    y[n0] = hsum256(acc0[m]);
+    if (n1 != n0) {
       y[n1] = hsum256(acc1[m]);
     }
   }
@@ -231,12 +227,11 @@ SPECMLX_AVX2 void tile_avx2(const QmmJob& j, int n, int rows, int m0) {
 // int32 lanes, convert, scale with one FMA. A 256-entry table would not fit a register,
 // and 8-bit weights are twice the bytes, so these tiles are bound by memory anyway.
 template <int MT>
-SPECMLX_AVX512 void tile8_avx512(const QmmJob& j, int n, int rows, int m0) {
+SPECMLX_AVX512 void tile8_avx512(const QmmJob& j, int n0, int n1, int m0) {
   const int gs = j.group_size, groups = j.K / gs;
-  const int n1 = n + rows - 1;
-  const uint8_t* w0 = reinterpret_cast<const uint8_t*>(j.w) + size_t(n) * j.K;
+  const uint8_t* w0 = reinterpret_cast<const uint8_t*>(j.w) + size_t(n0) * j.K;
   const uint8_t* w1 = reinterpret_cast<const uint8_t*>(j.w) + size_t(n1) * j.K;
-  const size_t s0 = size_t(n) * groups, s1 = size_t(n1) * groups;
+  const size_t s0 = size_t(n0) * groups, s1 = size_t(n1) * groups;
   const float* x = j.x + size_t(m0) * j.ldx;
   __m512 acc0[MT], acc1[MT];
   for (int m = 0; m < MT; ++m) {
@@ -244,8 +239,6 @@ SPECMLX_AVX512 void tile8_avx512(const QmmJob& j, int n, int rows, int m0) {
     acc1[m] = _mm512_setzero_ps();
   }
   for (int g = 0; g < groups; ++g) {
-    _mm_prefetch(reinterpret_cast<const char*>(w0 + size_t(g + 4) * gs), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w1 + size_t(g + 4) * gs), _MM_HINT_T0);
     const __m512 sc0 = _mm512_set1_ps(scale_f16c(j.scales, s0 + g, j.stype));
     const __m512 bi0 = _mm512_set1_ps(scale_f16c(j.biases, s0 + g, j.stype));
     const __m512 sc1 = _mm512_set1_ps(scale_f16c(j.scales, s1 + g, j.stype));
@@ -266,20 +259,19 @@ SPECMLX_AVX512 void tile8_avx512(const QmmJob& j, int n, int rows, int m0) {
   }
   for (int m = 0; m < MT; ++m) {
     float* y = j.y + size_t(m0 + m) * j.N;
-    y[n] = _mm512_reduce_add_ps(acc0[m]);
-    if (rows == 2) {
+    y[n0] = _mm512_reduce_add_ps(acc0[m]);
+    if (n1 != n0) {
       y[n1] = _mm512_reduce_add_ps(acc1[m]);
     }
   }
 }
 
 template <int MT>
-SPECMLX_AVX2 void tile8_avx2(const QmmJob& j, int n, int rows, int m0) {
+SPECMLX_AVX2 void tile8_avx2(const QmmJob& j, int n0, int n1, int m0) {
   const int gs = j.group_size, groups = j.K / gs;
-  const int n1 = n + rows - 1;
-  const uint8_t* w0 = reinterpret_cast<const uint8_t*>(j.w) + size_t(n) * j.K;
+  const uint8_t* w0 = reinterpret_cast<const uint8_t*>(j.w) + size_t(n0) * j.K;
   const uint8_t* w1 = reinterpret_cast<const uint8_t*>(j.w) + size_t(n1) * j.K;
-  const size_t s0 = size_t(n) * groups, s1 = size_t(n1) * groups;
+  const size_t s0 = size_t(n0) * groups, s1 = size_t(n1) * groups;
   const float* x = j.x + size_t(m0) * j.ldx;
   __m256 acc0[MT], acc1[MT];
   for (int m = 0; m < MT; ++m) {
@@ -307,8 +299,8 @@ SPECMLX_AVX2 void tile8_avx2(const QmmJob& j, int n, int rows, int m0) {
   }
   for (int m = 0; m < MT; ++m) {
     float* y = j.y + size_t(m0 + m) * j.N;
-    y[n] = hsum256(acc0[m]);
-    if (rows == 2) {
+    y[n0] = hsum256(acc0[m]);
+    if (n1 != n0) {
       y[n1] = hsum256(acc1[m]);
     }
   }
@@ -323,27 +315,27 @@ constexpr std::array<TileFn, sizeof...(MT)> tiles_for(std::integer_sequence<int,
 
 template <int MT, int G>
 struct Avx512Tile {
-  static void run(const QmmJob& j, int n, int rows, int m0) {
-    tile_avx512<MT, G>(j, n, rows, m0);
+  static void run(const QmmJob& j, int n0, int n1, int m0) {
+    tile_avx512<MT, G>(j, n0, n1, m0);
   }
 };
 template <int MT, int G>
 struct Avx2Tile {
-  static void run(const QmmJob& j, int n, int rows, int m0) {
-    tile_avx2<MT, G>(j, n, rows, m0);
+  static void run(const QmmJob& j, int n0, int n1, int m0) {
+    tile_avx2<MT, G>(j, n0, n1, m0);
   }
 };
 
 template <int MT, int G>
 struct Avx512Tile8 {
-  static void run(const QmmJob& j, int n, int rows, int m0) {
-    tile8_avx512<MT>(j, n, rows, m0);
+  static void run(const QmmJob& j, int n0, int n1, int m0) {
+    tile8_avx512<MT>(j, n0, n1, m0);
   }
 };
 template <int MT, int G>
 struct Avx2Tile8 {
-  static void run(const QmmJob& j, int n, int rows, int m0) {
-    tile8_avx2<MT>(j, n, rows, m0);
+  static void run(const QmmJob& j, int n0, int n1, int m0) {
+    tile8_avx2<MT>(j, n0, n1, m0);
   }
 };
 
@@ -416,25 +408,28 @@ int isa_lanes(Isa isa) {
 void qmm_rows(Isa isa, const QmmJob& j, int n0, int n1) {
   const int tile_rows = max_rows(isa);
   // Block x rows so that one block stays in L2 while the output rows sweep past it; a
-  // row pair's weights (a few KiB) stay in L1 across the block's tiles.
+  // row pair's weights (a few KiB) stay in L1 across the block's tiles. Row a is paired
+  // with row a + half, not a + 1, so that the weights stream on through memory in two runs
+  // the hardware prefetchers follow (as in qmm_rows_q8).
   const int block = std::max<int>(tile_rows, int(kL2Floats / size_t(j.ldx)) / tile_rows * tile_rows);
+  const int half = (n1 - n0 + 1) / 2;
   for (int mb = 0; mb < j.M; mb += block) {
     const int mb_end = std::min(j.M, mb + block);
-    for (int n = n0; n < n1; n += 2) {
-      const int rows = std::min(2, n1 - n);
+    for (int a = n0; a < n0 + half; ++a) {
+      const int b = a + half < n1 ? a + half : a;  // a lone middle row of an odd range
       for (int m0 = mb; m0 < mb_end; m0 += tile_rows) {
         const int mt = std::min(tile_rows, mb_end - m0);
         switch (isa) {
           case Isa::avx512:
             (j.bits == 4 ? pick_tile<Avx512Tile, kAvx512MaxRows>(j.group_size, mt)
-                         : pick_tile8<Avx512Tile8, kAvx512MaxRows>(mt))(j, n, rows, m0);
+                         : pick_tile8<Avx512Tile8, kAvx512MaxRows>(mt))(j, a, b, m0);
             break;
           case Isa::avx2:
             (j.bits == 4 ? pick_tile<Avx2Tile, kAvx2MaxRows>(j.group_size, mt)
-                         : pick_tile8<Avx2Tile8, kAvx2MaxRows>(mt))(j, n, rows, m0);
+                         : pick_tile8<Avx2Tile8, kAvx2MaxRows>(mt))(j, a, b, m0);
             break;
           case Isa::scalar:
-            tile_scalar(j, n, rows, m0, mt);
+            tile_scalar(j, a, b, m0, mt);
             break;
         }
       }

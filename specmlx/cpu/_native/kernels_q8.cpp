@@ -56,39 +56,25 @@ SPECMLX_F16C inline std::array<float, L> scales_from(const void* p, size_t i, Sc
   return out;
 }
 
-// Ask for a row's scales or biases (count of them from index i) ahead of use: they are
-// short runs the hardware prefetcher does not pick up, and the biases are read only after
-// the row's codes, one DRAM latency per tile otherwise. Every cache line the run touches.
-inline void prefetch_scales(const void* p, size_t i, ScaleType t, int count) {
-  const size_t bytes = t == ScaleType::f32 ? 4 : 2;
-  const uintptr_t first = reinterpret_cast<uintptr_t>(p) + i * bytes;
-  const uintptr_t last = first + size_t(count) * bytes - 1;
-  for (uintptr_t line = first & ~uintptr_t(63); line <= last; line += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
-  }
-}
+// One tile: output rows n0 and n1 (n1 == n0: a lone row, computed twice and stored once)
+// for x rows m0 .. m0 + MT - 1.
+using TileFn = void (*)(const QmmJob&, int n0, int n1, int m0);
 
-using TileFn = void (*)(const QmmJob&, int n, int rows, int m0);
+// How far ahead in each of a tile's two weight streams (rows n0 and n1 run on through
+// memory, see qmm_rows_q8) the weights are asked for. The hardware prefetchers follow the
+// streams either way; asking ahead as well made the tiles 1.2-1.3x faster at M = 8 and
+// left M = 1 about even (bench/results/row_pairing.md).
+constexpr int kPrefetchBytes = 4 << 10;
 
-// How far ahead of a tile its weights are prefetched, in memory order. A tile reads two
-// adjacent rows in two streams; the bytes after them are the next tiles' rows, so one
-// pointer that moves twice as fast as each stream, kPrefetchBytes past the pair's start,
-// asks for every line of the matrix once, in address order. Each stream prefetching its
-// own row 2 KiB ahead instead (the first version) ran past short rows (a 1.5 KiB head
-// row) into the other stream's and left the start of the next tiles' rows to demand misses:
-// weights streaming from DRAM came far slower at M <= 3 (bench/results/int8_prefetch.md).
-// 8 KiB stays well inside L1.
-constexpr int kPrefetchBytes = 8 << 10;
-
-// Prefetch one chunk's share of the weights ahead (see kPrefetchBytes): `bytes` of flat
-// memory, a whole number of cache lines, from pair + kPrefetchBytes + bytes * chunk.
-// Forced inline: GCC takes a function of prefetches alone for one without effects, and
-// dropped a call to it made from another inlined helper (a tried variant of the tiles).
+// Prefetch one chunk's worth of both streams, kPrefetchBytes ahead. Forced inline: GCC takes
+// a function of prefetches alone for one without effects, and dropped a call to it made
+// from another inlined helper (a tried variant of the tiles).
 template <int Bytes>
-inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t* pair, int chunk) {
-  const char* p = reinterpret_cast<const char*>(pair) + kPrefetchBytes + size_t(Bytes) * chunk;
+inline __attribute__((always_inline)) void prefetch_streams(const uint8_t* w0, const uint8_t* w1, int chunk) {
+  const size_t at = kPrefetchBytes + size_t(Bytes) * chunk;
   for (int off = 0; off < Bytes; off += 64) {
-    _mm_prefetch(p + off, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w0) + at + off, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w1) + at + off, _MM_HINT_T0);
   }
 }
 
@@ -112,11 +98,12 @@ inline int code_at(const uint8_t* w, int k, int bits) {
   return bits == 8 ? w[k] : (w[k / 2] >> (4 * (k & 1))) & 15;
 }
 
-void tile_q8_scalar(const QmmJob& j, int n, int rows, int m0, int mt) {
+void tile_q8_scalar(const QmmJob& j, int n0, int n1, int m0, int mt) {
   const int bytes = j.K * j.bits / 8, groups = j.K / j.group_size;
-  for (int r = 0; r < rows; ++r) {
-    const uint8_t* w = reinterpret_cast<const uint8_t*>(j.w) + size_t(n + r) * bytes;
-    const size_t srow = size_t(n + r) * groups;
+  for (int r = 0; r < (n1 == n0 ? 1 : 2); ++r) {
+    const int n = r == 0 ? n0 : n1;
+    const uint8_t* w = reinterpret_cast<const uint8_t*>(j.w) + size_t(n) * bytes;
+    const size_t srow = size_t(n) * groups;
     for (int m = 0; m < mt; ++m) {
       const int8_t* q = j.xq + size_t(m0 + m) * j.ldq;
       const float* d = j.xd + size_t(m0 + m) * j.ldd;
@@ -132,7 +119,7 @@ void tile_q8_scalar(const QmmJob& j, int n, int rows, int m0, int mt) {
       for (int g = 0; g < groups; ++g) {
         acc += scale_at(j.biases, srow + g, j.stype) * xs[g];
       }
-      j.y[size_t(m0 + m) * j.N + n + r] = acc;
+      j.y[size_t(m0 + m) * j.N + n] = acc;
     }
   }
 }
@@ -217,7 +204,7 @@ SPECMLX_VNNI512 inline __attribute__((always_inline)) void chunk_512(
 }
 
 template <int MT, int GS, int BITS, ScaleType ST>
-SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n, int rows, int m0) {
+SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n0, int n1, int m0) {
   constexpr int kCodes = 512 / BITS, kBytes = 64, kGroups = std::max(1, kCodes / GS), kQC = kCodes / 4;
   // A pair of chunks takes its scales in one load per row: 2 * kCodes / GS groups (8 at
   // most: 4 bits, GS = 32), or the one group both halves of an 8-bit chunk pair lie in.
@@ -226,10 +213,9 @@ SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n, int rows, int m0) {
   const int chunks = (j.K + kCodes - 1) / kCodes;
   const int tail = bytes - (chunks - 1) * kBytes;  // bytes in the last chunk, 16..64
   const int full_chunks = tail == kBytes ? chunks : chunks - 1;
-  const int n1 = n + rows - 1;  // a lone last row is computed twice, stored once
-  const uint8_t* w0 = reinterpret_cast<const uint8_t*>(j.w) + size_t(n) * bytes;
+  const uint8_t* w0 = reinterpret_cast<const uint8_t*>(j.w) + size_t(n0) * bytes;
   const uint8_t* w1 = reinterpret_cast<const uint8_t*>(j.w) + size_t(n1) * bytes;
-  const size_t s0 = size_t(n) * groups, s1 = size_t(n1) * groups;
+  const size_t s0 = size_t(n0) * groups, s1 = size_t(n1) * groups;
   const int8_t* xq = j.xq + size_t(m0) * j.ldq;
   const float* xd = j.xd + size_t(m0) * j.ldd;
 
@@ -237,14 +223,6 @@ SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n, int rows, int m0) {
   #pragma GCC unroll 16
   for (int m = 0; m < MT; ++m) {
     acc[m] = _mm512_setzero_ps();
-  }
-  // This pair's scales and biases, and those of the pair whose weights the prefetch is
-  // reaching (kPrefetchBytes ahead): asked for only here, they came a DRAM latency late.
-  const size_t ahead = size_t(n + kPrefetchBytes / bytes + 2) * groups;
-  for (const void* p : {j.scales, j.biases}) {
-    prefetch_scales(p, s0, j.stype, groups);
-    prefetch_scales(p, s1, j.stype, groups);
-    prefetch_scales(p, ahead, j.stype, 2 * groups);
   }
   const __m512i first = pair_lanes<GS, kQC>(0), second = pair_lanes<GS, kQC>(kCodes / GS);
   const __mmask8 pair_valid = __mmask8((1u << kPairGroups) - 1);
@@ -254,9 +232,7 @@ SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n, int rows, int m0) {
     const __m512 r0 = _mm512_castps256_ps512(halves8_512<ST>(j.scales, s0 + g0, pair_valid));
     const __m512 r1 = _mm512_castps256_ps512(halves8_512<ST>(j.scales, s1 + g0, pair_valid));
     for (int h = 0; h < 2; ++h) {
-      // Weights that stream from DRAM (a whole model's do) need a long prefetch: with the
-      // float32 kernel's 4 groups ahead, int8 x was no faster at M <= 3.
-      prefetch_ahead<2 * kBytes>(w0, c + h);
+      prefetch_streams<kBytes>(w0, w1, c + h);
       const __m512i b0 = _mm512_loadu_si512(w0 + (c + h) * kBytes);
       const __m512i b1 = _mm512_loadu_si512(w1 + (c + h) * kBytes);
       const __m512 sc = _mm512_permutex2var_ps(r0, h == 0 ? first : second, r1);
@@ -267,7 +243,7 @@ SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n, int rows, int m0) {
   // so only there).
   const __mmask64 tail_mask = tail == kBytes ? ~__mmask64(0) : (__mmask64(1) << tail) - 1;
   for (; c < chunks; ++c) {
-    prefetch_ahead<2 * kBytes>(w0, c);
+    prefetch_streams<kBytes>(w0, w1, c);
     const bool full = c < full_chunks;
     const uint8_t* p0 = w0 + c * kBytes;
     const uint8_t* p1 = w1 + c * kBytes;
@@ -298,8 +274,8 @@ SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n, int rows, int m0) {
   #pragma GCC unroll 16
   for (int m = 0; m < MT; ++m) {
     float* y = j.y + size_t(m0 + m) * j.N;
-    y[n] = _mm512_mask_reduce_add_ps(0x5555, acc[m]);
-    if (rows == 2) {
+    y[n0] = _mm512_mask_reduce_add_ps(0x5555, acc[m]);
+    if (n1 != n0) {
       y[n1] = _mm512_mask_reduce_add_ps(0xAAAA, acc[m]);
     }
   }
@@ -351,15 +327,14 @@ SPECMLX_AVX2_Q8 inline __m256i load_chunk32(const uint8_t* p, bool full) {
 
 // ST, the scales' type, a template parameter: see halves8_512.
 template <int MT, int GS, int BITS, ScaleType ST>
-SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n, int rows, int m0) {
+SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n0, int n1, int m0) {
   constexpr int kCodes = 256 / BITS, kBytes = 32;
   const int bytes = j.K * BITS / 8, groups = j.K / GS;
   const int chunks = (j.K + kCodes - 1) / kCodes;
   const bool full_tail = bytes - (chunks - 1) * kBytes == kBytes;  // else 16 bytes
-  const int n1 = n + rows - 1;
-  const uint8_t* w0 = reinterpret_cast<const uint8_t*>(j.w) + size_t(n) * bytes;
+  const uint8_t* w0 = reinterpret_cast<const uint8_t*>(j.w) + size_t(n0) * bytes;
   const uint8_t* w1 = reinterpret_cast<const uint8_t*>(j.w) + size_t(n1) * bytes;
-  const size_t s0 = size_t(n) * groups, s1 = size_t(n1) * groups;
+  const size_t s0 = size_t(n0) * groups, s1 = size_t(n1) * groups;
   const int8_t* xq = j.xq + size_t(m0) * j.ldq;
   const float* xd = j.xd + size_t(m0) * j.ldd;
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -370,17 +345,11 @@ SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n, int rows, int m0) {
     acc0[m] = _mm256_setzero_ps();
     acc1[m] = _mm256_setzero_ps();
   }
-  // This pair's scales and biases, and those of the pair whose weights the prefetch is
-  // reaching (kPrefetchBytes ahead): asked for only here, they came a DRAM latency late.
-  const size_t ahead = size_t(n + kPrefetchBytes / bytes + 2) * groups;
-  for (const void* p : {j.scales, j.biases}) {
-    prefetch_scales(p, s0, ST, groups);
-    prefetch_scales(p, s1, ST, groups);
-    prefetch_scales(p, ahead, ST, 2 * groups);
-  }
   for (int c = 0; c < chunks; ++c) {
-    prefetch_ahead<2 * kBytes>(w0, c);
     const bool full = c + 1 < chunks || full_tail;
+    if (c % 2 == 0) {  // a cache line is two chunks
+      prefetch_streams<2 * kBytes>(w0, w1, c / 2);
+    }
     const __m256i b0 = load_chunk32(w0 + c * kBytes, full);
     const __m256i b1 = load_chunk32(w1 + c * kBytes, full);
     // Two registers of codes per row: 4 bits, the low and the high nibbles; 8 bits, the
@@ -440,8 +409,8 @@ SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n, int rows, int m0) {
   #pragma GCC unroll 16
   for (int m = 0; m < MT; ++m) {
     float* y = j.y + size_t(m0 + m) * j.N;
-    y[n] = hsum256(acc0[m]);
-    if (rows == 2) {
+    y[n0] = hsum256(acc0[m]);
+    if (n1 != n0) {
       y[n1] = hsum256(acc1[m]);
     }
   }
@@ -462,12 +431,12 @@ void with_scale_type(ScaleType t, Tile&& tile) {
   }
 }
 template <int MT, int GS, int BITS>
-void run_vnni512(const QmmJob& j, int n, int rows, int m0) {
-  with_scale_type(j.stype, [&](auto st) { tile_q8_vnni512<MT, GS, BITS, st.value>(j, n, rows, m0); });
+void run_vnni512(const QmmJob& j, int n0, int n1, int m0) {
+  with_scale_type(j.stype, [&](auto st) { tile_q8_vnni512<MT, GS, BITS, st.value>(j, n0, n1, m0); });
 }
 template <int MT, int GS, int BITS>
-void run_avx2(const QmmJob& j, int n, int rows, int m0) {
-  with_scale_type(j.stype, [&](auto st) { tile_q8_avx2<MT, GS, BITS, st.value>(j, n, rows, m0); });
+void run_avx2(const QmmJob& j, int n0, int n1, int m0) {
+  with_scale_type(j.stype, [&](auto st) { tile_q8_avx2<MT, GS, BITS, st.value>(j, n0, n1, m0); });
 }
 
 template <int GS, int BITS, int... MT>
@@ -657,28 +626,36 @@ void quantize_row_q8(const float* x, int K, int group_size, int bits, Isa isa, i
 void qmm_rows_q8(Isa isa, const QmmJob& j, int n0, int n1) {
   const Isa tiles = q8_isa(isa);
   const int tile_rows = tiles == Isa::avx512 ? kVnniMaxRows : tiles == Isa::avx2 ? kAvx2MaxRows : kScalarMaxRows;
-  // Output rows in blocks whose weights (codes, scales, biases) fit in half of L2; each x
-  // tile (a few rows of q and d: L1-sized for K up to a few thousand) sweeps one block
-  // before the next tile comes in. With one tile (decode, verify) this is just the row
-  // pairs in order; for prefill it reads each weight from memory once, not M / MT times,
-  // and each x row from L2 once per block.
+  // With more rows of x than one tile takes (prefill), output rows go in blocks whose
+  // weights (codes, scales, biases) fit in half of L2; each x tile (a few rows of q and d:
+  // L1-sized for K up to a few thousand) sweeps one block before the next comes in, so
+  // each weight is read from memory once, not M / MT times. With one tile (decode, verify)
+  // the block is the whole range.
+  //
+  // A tile pairs row n with row n + half of its block, not with n + 1: each of its two
+  // weight streams (and each scale and bias stream) then runs on through memory, row after
+  // row, which the hardware prefetchers follow. Adjacent pairs read two interleaved runs of
+  // one row each that then jump a row ahead; the prefetchers lose them (a weights-only
+  // read in that order ran at a third of a sequential one, bench/results/row_pairing.md).
+  // A row's result does not depend on its partner.
   const size_t weight_bytes = size_t(j.K) * j.bits / 8 + 8 * size_t(j.K / j.group_size);
-  const int block = std::max(2, int(kL2Bytes / 2 / weight_bytes) / 2 * 2);
+  const int block = j.M <= tile_rows ? n1 - n0 : std::max(2, int(kL2Bytes / 2 / weight_bytes) / 2 * 2);
   for (int nb = n0; nb < n1; nb += block) {
     const int nb_end = std::min(n1, nb + block);
+    const int half = (nb_end - nb + 1) / 2;
     for (int m0 = 0; m0 < j.M; m0 += tile_rows) {
       const int mt = std::min(tile_rows, j.M - m0);
-      for (int n = nb; n < nb_end; n += 2) {
-        const int rows = std::min(2, nb_end - n);
+      for (int a = nb; a < nb + half; ++a) {
+        const int b = a + half < nb_end ? a + half : a;  // a lone middle row of an odd block
         switch (tiles) {
           case Isa::avx512:
-            (j.bits == 4 ? pick_vnni512<4> : pick_vnni512<8>)(j.group_size, mt)(j, n, rows, m0);
+            (j.bits == 4 ? pick_vnni512<4> : pick_vnni512<8>)(j.group_size, mt)(j, a, b, m0);
             break;
           case Isa::avx2:
-            (j.bits == 4 ? pick_avx2<4> : pick_avx2<8>)(j.group_size, mt)(j, n, rows, m0);
+            (j.bits == 4 ? pick_avx2<4> : pick_avx2<8>)(j.group_size, mt)(j, a, b, m0);
             break;
           case Isa::scalar:
-            tile_q8_scalar(j, n, rows, m0, mt);
+            tile_q8_scalar(j, a, b, m0, mt);
             break;
         }
       }
