@@ -6,6 +6,10 @@ take runs mlx-lm's code."""
 import mlx.core as mx
 import numpy as np
 import pytest
+from cache_util import (
+    assert_a_held_cache_array_keeps_its_contents,
+    assert_decode_writes_the_cache_in_place,
+)
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 import specmlx
@@ -173,32 +177,9 @@ def test_only_the_plain_body_is_fused():
     assert not attention._has_cached_body(Scaled)
 
 
-def buffer_address(a: mx.array) -> int:
-    view = np.asarray(a)  # a view of a's buffer, dropped at once: it would hold the buffer
-    return view.__array_interface__["data"][0]
-
-
 def test_decode_steps_write_the_cache_in_place(models):
-    from specmlx.caches import make_cache
-
-    module = models["target"].module
-    cache = make_cache(module)
-    mx.eval(module(mx.array([[1, 2, 3]]), cache=cache))
-    mx.eval(module(mx.array([[4]]), cache=cache))
-    before = buffer_address(cache[0].keys)
-    for token in (5, 6, 7):
-        mx.eval(module(mx.array([[token]]), cache=cache))
-    assert buffer_address(cache[0].keys) == before
+    assert_decode_writes_the_cache_in_place(models["target"].module)
 
 
 def test_a_cache_array_held_elsewhere_keeps_its_contents(models):
-    from specmlx.caches import make_cache
-
-    module = models["target"].module
-    cache = make_cache(module)
-    mx.eval(module(mx.array([[1, 2, 3]]), cache=cache))
-    held = cache[0].keys  # as a caller reading the cache's state would
-    before = np.array(held)
-    mx.eval(module(mx.array([[4]]), cache=cache))
-    assert np.array_equal(np.array(held), before)
-    assert not np.array_equal(np.array(cache[0].keys)[..., 3, :], before[..., 3, :])
+    assert_a_held_cache_array_keeps_its_contents(models["target"].module, "keys")
