@@ -147,6 +147,47 @@ int threads_for(size_t work, int pairs) {
   return int(std::clamp<size_t>(work / kMinWorkPerThread, 1, std::min(pool.size(), pairs)));
 }
 
+// Output rows [n0, n1) of product `product`.
+struct RowRange {
+  int product, n0, n1;
+};
+
+// The products' rows cut into ranges that the threads take as they come free (an atomic
+// counter), not into one fixed share a thread. On a shared machine a thread can lose its
+// core for a while (to another process, or to the Python thread building the next step's
+// graph); with fixed shares the whole op waited for it, here the other thread takes over
+// its ranges. About kRangesPerThread a thread, of at least kMinRangeRows rows: two weight
+// streams of 32 rows and more run as fast as longer ones (bench/memory_streams.c with
+// B = 64). Ranges are whole pairs; a row's result does not depend on its range (nor on its
+// partner), so the results are those of any other cut.
+constexpr int kRangesPerThread = 16, kMinRangeRows = 64;
+
+std::vector<RowRange> row_ranges(const std::vector<int>& rows, int n_threads) {
+  int total = 0;
+  for (int n : rows) {
+    total += n;
+  }
+  const int size = n_threads == 1 ? total : std::max(kMinRangeRows, (total / (kRangesPerThread * n_threads) + 1) / 2 * 2);
+  std::vector<RowRange> ranges;
+  for (int i = 0; i < int(rows.size()); ++i) {
+    for (int n0 = 0; n0 < rows[i]; n0 += size) {
+      ranges.push_back({i, n0, std::min(rows[i], n0 + size)});
+    }
+  }
+  return ranges;
+}
+
+// Runs range(r) for every range on n_threads threads, each taking the next one left.
+template <typename Fn>
+void run_ranges(const std::vector<RowRange>& ranges, int n_threads, Fn&& range) {
+  std::atomic<int> next{0};
+  ThreadPool::instance().run(n_threads, [&](int) {
+    for (int i; (i = next.fetch_add(1, std::memory_order_relaxed)) < int(ranges.size());) {
+      range(ranges[i]);
+    }
+  });
+}
+
 // Columns [n0, n1) of y (M rows of N) plus bias: the one rounding of MLX's y + bias.
 void add_bias(float* y, const void* bias, ScaleType t, int M, int N, int n0, int n1) {
   for (int m = 0; m < M; ++m) {
@@ -168,8 +209,8 @@ void store_output(const float* y, void* out, mx::Dtype out_type, size_t n) {
 
 } // namespace
 
-// x @ a^T, or with b: act(x @ a^T) * (x @ b^T). Each thread takes a range of output
-// columns, of both products, and applies the activation to its own range.
+// x @ a^T, or with b: act(x @ a^T) * (x @ b^T). Threads take ranges of output
+// columns (of both products) as they come free, and apply the activation to each range.
 void run_matmul(const MatmulCall& c) {
   thread_local std::unique_ptr<float[]> y_buf, u_buf;
   thread_local size_t y_cap = 0, u_cap = 0;
@@ -189,12 +230,10 @@ void run_matmul(const MatmulCall& c) {
     up.biases = c.b.biases;
     up.y = scratch(u_buf, u_cap, y_elems);
   }
-  const int pairs = (c.N + 1) / 2;
-  const int n_threads = threads_for(size_t(c.N) * c.K * size_t(c.M + 2) * (gated ? 2 : 1), pairs);
+  const int n_threads = threads_for(size_t(c.N) * c.K * size_t(c.M + 2) * (gated ? 2 : 1), (c.N + 1) / 2);
   const auto rows = q8 ? qmm_rows_q8 : qmm_rows;
-  ThreadPool::instance().run(n_threads, [&](int t) {
-    const int p0 = int(int64_t(pairs) * t / n_threads), p1 = int(int64_t(pairs) * (t + 1) / n_threads);
-    const int n0 = 2 * p0, n1 = std::min(c.N, 2 * p1);
+  run_ranges(row_ranges({c.N}, n_threads), n_threads, [&](const RowRange& r) {
+    const int n0 = r.n0, n1 = r.n1;
     rows(isa, job, n0, n1);
     if (c.bias != nullptr) {
       add_bias(y, c.bias, c.stype, c.M, c.N, n0, n1);
@@ -225,33 +264,26 @@ void run_stacked(const MatmulCall& c, std::vector<MatmulProduct>& products) {
   QmmJob job{nullptr, nullptr, nullptr, nullptr, c.stype, nullptr, c.M, 0, c.K, c.group_size, c.bits, row_stride(c.K)};
   prepare_x(c, isa, q8, job);
   std::vector<QmmJob> jobs(P, job);
-  std::vector<int> first_pair(P + 1, 0);  // product i's pairs are [first_pair[i], first_pair[i + 1])
+  std::vector<int> rows_of(P);
   size_t work = 0;
+  int pairs = 0;
   for (size_t i = 0; i < P; ++i) {
     const MatmulProduct& p = products[i];
     QmmJob& j = jobs[i];
     j.w = p.w.w, j.scales = p.w.scales, j.biases = p.w.biases, j.N = p.N;
     j.y = c.out_type == mx::float32 ? static_cast<float*>(p.out)
                                      : scratch(y_bufs[i], y_caps[i], size_t(c.M) * p.N);
-    first_pair[i + 1] = first_pair[i] + (p.N + 1) / 2;
+    rows_of[i] = p.N;
+    pairs += (p.N + 1) / 2;
     work += size_t(p.N) * c.K * size_t(c.M + 2);
   }
-  const int pairs = first_pair[P];
   const int n_threads = threads_for(work, pairs);
   const auto rows = q8 ? qmm_rows_q8 : qmm_rows;
-  ThreadPool::instance().run(n_threads, [&](int t) {
-    const int p0 = int(int64_t(pairs) * t / n_threads), p1 = int(int64_t(pairs) * (t + 1) / n_threads);
-    for (size_t i = 0; i < P; ++i) {
-      const int lo = std::max(p0, first_pair[i]), hi = std::min(p1, first_pair[i + 1]);
-      if (lo >= hi) {
-        continue;
-      }
-      const QmmJob& j = jobs[i];
-      const int n0 = 2 * (lo - first_pair[i]), n1 = std::min(j.N, 2 * (hi - first_pair[i]));
-      rows(isa, j, n0, n1);
-      if (products[i].bias != nullptr) {
-        add_bias(j.y, products[i].bias, c.stype, c.M, j.N, n0, n1);
-      }
+  run_ranges(row_ranges(rows_of, n_threads), n_threads, [&](const RowRange& r) {
+    const QmmJob& j = jobs[r.product];
+    rows(isa, j, r.n0, r.n1);
+    if (products[r.product].bias != nullptr) {
+      add_bias(j.y, products[r.product].bias, c.stype, c.M, j.N, r.n0, r.n1);
     }
   });
   for (size_t i = 0; i < P; ++i) {
