@@ -419,7 +419,8 @@ def markdown(result: dict, summary: dict) -> str:
         f"{machine['cores']} cores; {settings['threads']} threads for both engines",
         f"- llama.cpp {llama.get('llama_cpp_commit')} (build number {llama.get('build_number')}, "
         f"from llama-cpp-python {llama.get('llama_cpp_python')}), mlx {machine['mlx']}, "
-        f"specmlx {machine['specmlx']}",
+        f"specmlx {machine['specmlx']}"
+        + ("" if llama.get("repack", True) else "; llama.cpp's weight repacking off (it crashed)"),
         f"- load average (1, 5, 15 min) at start {_loads(machine['load_average'])}, "
         f"at end {_loads(result.get('load_average_end'))}",
         f"- {settings['repeat']} repeat(s), interleaved; {settings['tokens']} tokens; "
@@ -560,14 +561,35 @@ class Llama:
         for tool, flags in self.flags.items():
             if flags["draft_max"] is None:
                 raise SpecmlxError(f"{tool} --help names no draft-max flag this script knows")
+        self.repack = self.repack_works()
+
+    def repack_works(self) -> bool:
+        """Whether llama.cpp's default weight repacking survives a multi-token pass here.
+        On an AMX CPU (Xeon, Sapphire Rapids on) this build repacks Q4_K for AMX and
+        crashes in ggml_backend_amx_mul_mat (SIGSEGV) on any pass over several tokens; with
+        repacking off it runs, so every tool then runs with it off, and the result says so."""
+        command = [str(self.bin / "llama-bench"), "-m", str(self.ggufs["target"])]
+        command += ["-t", self.threads, "-r", "1", "-o", "json", "-p", "8", "-n", "0"]
+        done = subprocess.run(command, capture_output=True, stdin=subprocess.DEVNULL)
+        if done.returncode >= 0:
+            return True
+        log(
+            f"llama.cpp with its weights repacked died of signal {-done.returncode} on an "
+            "8-token pass on this CPU: running every llama.cpp tool with repacking off"
+        )
+        return False
 
     def bench(self, *test: str) -> list[dict]:
         command = [str(self.bin / "llama-bench"), "-m", str(self.ggufs["target"])]
         command += ["-t", self.threads, "-r", "1", "-o", "json", *test]
+        if not self.repack:
+            command += ["--repack", "0"]
         return parse_bench_json(run_tool(command)[0])
 
     def generate(self, tokens: int, temperature: float = 0.0, seed: int = 0) -> list[str]:
         command = ["-m", str(self.ggufs["target"]), "-t", self.threads, "-c", str(CONTEXT)]
+        if not self.repack:
+            command += ["--no-repack"]
         command += ["-n", str(tokens), "--temp", f"{temperature:g}", "--no-escape"]
         # At T > 0: plain sampling (top-k, top-p and min-p off, as specmlx's defaults are)
         # and a seed per repeat.
@@ -849,6 +871,7 @@ def main(argv: list[str] | None = None) -> None:
             "build_number": probe.get("build_number"),
             "cpu_info": probe.get("cpu_info"),
             "flags": llama.flags,
+            "repack": llama.repack,
         },
         "models": {
             role: {"gguf": str(ggufs[role]), "int4": str(int4[role])}

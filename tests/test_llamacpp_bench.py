@@ -111,6 +111,7 @@ def test_defaults_are_the_full_run(bench):
 def test_sampled_runs_give_both_engines_the_same_seed_and_plain_sampling(bench):
     llama = bench.Llama.__new__(bench.Llama)
     llama.bin, llama.ggufs, llama.threads = Path("/x"), {"target": Path("t.gguf")}, "2"
+    llama.repack = True
     greedy, sampled = llama.generate(16), llama.generate(16, 1.0, seed=3)
     assert greedy[greedy.index("--temp") + 1] == "0" and "--seed" not in greedy
     assert sampled[sampled.index("--temp") + 1] == "1"
@@ -322,3 +323,39 @@ def test_the_markdown_has_one_row_per_engine_and_dashes_for_parts_not_run(bench)
     assert len(rows) == 2
     assert rows[0].startswith("| llama.cpp | 25.0 | – |")
     assert rows[1].startswith("| specmlx | 12.5 | – |")
+
+
+# --- llama.cpp's weight repacking
+
+
+def fake_tools(bin_dir: Path, bench_script: str) -> None:
+    """llama-bench as a shell script, and speculative tools whose --help is HELP's."""
+    bin_dir.mkdir()
+    tools = {
+        "llama-bench": bench_script,
+        "llama-speculative": f"cat <<'HELP'\n{HELP}HELP\n",
+        "llama-speculative-simple": f"cat <<'HELP'\n{HELP}HELP\n",
+    }
+    for name, body in tools.items():
+        path = bin_dir / name
+        path.write_text("#!/bin/sh\n" + body)
+        path.chmod(0o755)
+
+
+def test_a_crash_with_weights_repacked_turns_repacking_off_for_every_tool(bench, tmp_path):
+    # as this build does on an AMX Xeon: SIGSEGV on any multi-token pass unless --repack 0
+    fake_tools(
+        tmp_path / "bin",
+        f'case "$*" in *"--repack 0"*) cat <<\'J\'\n{BENCH_JSON}J\n;; *) kill -SEGV $$;; esac\n',
+    )
+    llama = bench.Llama(tmp_path / "bin", {"target": tmp_path / "t.gguf"}, 2)
+    assert llama.repack is False
+    assert llama.bench("-p", "1", "-n", "0")[0]["n_depth"] == 128  # ran with --repack 0
+    assert "--no-repack" in llama.generate(8)
+
+
+def test_repacking_stays_on_where_it_runs(bench, tmp_path):
+    fake_tools(tmp_path / "bin", f"cat <<'J'\n{BENCH_JSON}J\n")
+    llama = bench.Llama(tmp_path / "bin", {"target": tmp_path / "t.gguf"}, 2)
+    assert llama.repack is True
+    assert "--no-repack" not in llama.generate(8)
