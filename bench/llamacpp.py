@@ -277,10 +277,10 @@ def same_text(a: str, b: str) -> bool:
     return a.startswith(b) or b.startswith(a)
 
 
-def run_tool(command: list[str], timeout: float = 900) -> tuple[str, str]:
-    """(stdout, stderr) of a llama.cpp tool, or its last error line as a SpecmlxError."""
+def launch(command: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
+    """A llama.cpp tool's run to its end, or a SpecmlxError if it runs past `timeout`."""
     try:
-        done = subprocess.run(
+        return subprocess.run(
             command,
             capture_output=True,
             text=True,
@@ -292,6 +292,11 @@ def run_tool(command: list[str], timeout: float = 900) -> tuple[str, str]:
         raise SpecmlxError(
             f"{Path(command[0]).name} ran past {timeout:.0f} s; is the machine busy?"
         ) from None
+
+
+def run_tool(command: list[str], timeout: float = 900) -> tuple[str, str]:
+    """(stdout, stderr) of a llama.cpp tool, or its last error line as a SpecmlxError."""
+    done = launch(command, timeout)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise SpecmlxError(f"{Path(command[0]).name} exited {done.returncode}: {last}")
@@ -561,30 +566,36 @@ class Llama:
         for tool, flags in self.flags.items():
             if flags["draft_max"] is None:
                 raise SpecmlxError(f"{tool} --help names no draft-max flag this script knows")
-        self.repack = self.repack_works()
+        self.repack = True
+        self.probe = self.first_run()
 
-    def repack_works(self) -> bool:
-        """Whether llama.cpp's default weight repacking survives a multi-token pass here.
-        On an AMX CPU (Xeon, Sapphire Rapids on) this build repacks Q4_K for AMX and
-        crashes in ggml_backend_amx_mul_mat (SIGSEGV) on any pass over several tokens; with
-        repacking off it runs, so every tool then runs with it off, and the result says so."""
-        command = [str(self.bin / "llama-bench"), "-m", str(self.ggufs["target"])]
-        command += ["-t", self.threads, "-r", "1", "-o", "json", "-p", "8", "-n", "0"]
-        done = subprocess.run(command, capture_output=True, stdin=subprocess.DEVNULL)
-        if done.returncode >= 0:
-            return True
-        log(
-            f"llama.cpp with its weights repacked died of signal {-done.returncode} on an "
-            "8-token pass on this CPU: running every llama.cpp tool with repacking off"
-        )
-        return False
+    def first_run(self) -> dict:
+        """One short llama-bench run (its JSON names the build and the CPU), which also
+        finds whether llama.cpp's default weight repacking survives a multi-token pass here.
+        On this build and an AMX Xeon it does not: Q4_K repacked for AMX crashes in
+        ggml_backend_amx_mul_mat (SIGSEGV) on any pass over several tokens, and runs with
+        repacking off; every tool then runs with it off, and the result says so."""
+        test = ("-p", "8", "-n", "0", "--no-warmup")
+        done = launch(self.bench_command(*test))
+        if done.returncode == 0:
+            (probe,) = parse_bench_json(done.stdout)
+            return probe
+        if done.returncode < 0:
+            log(
+                f"llama.cpp with its weights repacked died of signal {-done.returncode} on an "
+                "8-token pass on this CPU: running every llama.cpp tool with repacking off"
+            )
+            self.repack = False
+        (probe,) = self.bench(*test)  # and any other failure said in run_tool's one line
+        return probe
 
-    def bench(self, *test: str) -> list[dict]:
+    def bench_command(self, *test: str) -> list[str]:
         command = [str(self.bin / "llama-bench"), "-m", str(self.ggufs["target"])]
         command += ["-t", self.threads, "-r", "1", "-o", "json", *test]
-        if not self.repack:
-            command += ["--repack", "0"]
-        return parse_bench_json(run_tool(command)[0])
+        return command + ([] if self.repack else ["--repack", "0"])
+
+    def bench(self, *test: str) -> list[dict]:
+        return parse_bench_json(run_tool(self.bench_command(*test))[0])
 
     def generate(self, tokens: int, temperature: float = 0.0, seed: int = 0) -> list[str]:
         command = ["-m", str(self.ggufs["target"]), "-t", self.threads, "-c", str(CONTEXT)]
@@ -839,7 +850,7 @@ def main(argv: list[str] | None = None) -> None:
     target = load(int4["target"])
     draft = load(int4["draft"], tokenizer_from=target)
     llama = Llama(bin_dir, ggufs, args.threads)
-    (probe,) = llama.bench("-p", "1", "-n", "0", "--no-warmup")
+    probe = llama.probe
     machine = machine_info()
     machine.update(lscpu_model=lscpu_model(), isa=isa_flags(cpu_flags()))
     busy = os.getloadavg()[0]
