@@ -31,7 +31,8 @@ Copies of each matrix (~300 MB in all) are cycled so that every call reads its w
 from DRAM, as a model's step does. --isa forces an instruction set in both. With --model,
 also whole-model passes of that model over k = 1, 2, 4, 8 tokens (on a short prompt's
 cache, trimmed back after), the builds alternating pass by pass, each serving every native
-op of the pass (fused decoder layers, attention, norms, head) in turn.
+op of the pass (fused decoder layers, attention, norms, head) in turn. --rows and --passes
+choose other Ms and ks (--passes 128: a prefill chunk).
 """
 
 from __future__ import annotations
@@ -265,13 +266,14 @@ def build_passes(args, builds: dict) -> list[str]:
     cache = make_cache(model.module)
     prefill(model, cache, ids)
     installed = native._ext
-    wall = {d: {k: [] for k in BUILD_PASS_TOKENS} for d in builds}
+    wall = {d: {k: [] for k in args.passes} for d in builds}
     try:
         for rep in range(args.reps + 1):  # the first round pays one-time work
-            for k in BUILD_PASS_TOKENS:
+            for k in args.passes:
+                tokens = (ids * (k // len(ids) + 1))[-k:]  # past the prompt: it repeated
                 for d in builds:
                     native._ext = builds[d]
-                    t = timed_pass(model, cache, ids[-k:])
+                    t = timed_pass(model, cache, tokens)
                     if rep:
                         wall[d][k].append(t)
     finally:
@@ -285,7 +287,7 @@ def build_passes(args, builds: dict) -> list[str]:
         "| k | A ms | B ms | A / B |",
         "|---:|---:|---:|---:|",
     ]
-    for k in BUILD_PASS_TOKENS:
+    for k in args.passes:
         ta, tb = (statistics.median(wall[d][k]) * 1e3 for d in (a, b))
         lines.append(f"| {k} | {ta:.1f} | {tb:.1f} | {ta / tb:.2f}x |")
     print("\n".join(lines), flush=True)
@@ -304,7 +306,8 @@ def compare_builds(args) -> list[str]:
     lines = [
         f"command: python {' '.join(sys.argv)}",
         f"cpu: {cpu_name()}, {os.cpu_count()} logical CPUs; {args.x} x, 2 threads, "
-        f"isa {builds[a].isa()} (int8 tiles {builds[a].q8_kernel()}); mlx {mx.__version__}",
+        f"isa {builds[a].isa()} (int8 tiles: A {builds[a].q8_kernel()}, "
+        f"B {builds[b].q8_kernel()}); mlx {mx.__version__}",
         f"A = {a}, B = {b}; g{GROUP_SIZE}, fp16 scales; ms per call, median of {args.reps} "
         "passes over the cycled copies, the builds interleaved",
         "",
@@ -320,7 +323,7 @@ def compare_builds(args) -> list[str]:
         mx.eval(mats)
         del w, scales, biases
         gb = sum(t.nbytes for t in mats[0]) / 1e9
-        for m in BUILD_ROWS:
+        for m in args.rows:
             x = mx.random.normal((m, k))
             mx.eval(x)
             times: dict[str, list[float]] = {d: [] for d in builds}
@@ -353,6 +356,21 @@ def main() -> None:
     parser.add_argument("--model", help="with --activations: also whole-model passes of this model")
     parser.add_argument("--builds", nargs=2, metavar="DIR", help="time two builds of _ext")
     parser.add_argument("--isa", help="with --builds: force avx512, avx2 or scalar in both")
+    parser.add_argument(
+        "--rows",
+        type=int,
+        nargs="+",
+        default=list(BUILD_ROWS),
+        help=f"with --builds: the Ms to time (default {' '.join(map(str, BUILD_ROWS))})",
+    )
+    parser.add_argument(
+        "--passes",
+        type=int,
+        nargs="+",
+        default=list(BUILD_PASS_TOKENS),
+        help="with --builds --model: the k of the whole-model passes "
+        f"(default {' '.join(map(str, BUILD_PASS_TOKENS))}; 128: a prefill chunk)",
+    )
     parser.add_argument(
         "--x", choices=MODES, default="int8", help="with --builds: the activations (default int8)"
     )
