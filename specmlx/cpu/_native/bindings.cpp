@@ -10,6 +10,7 @@
 #include "layer.h"
 #include "mapped.h"
 #include "mlx/version.h"
+#include "amx.h"
 #include "qmm.h"
 #include "rms_norm.h"
 #include "rope.h"
@@ -290,4 +291,6 @@ NB_MODULE(_ext, m) {
       "name"_a,
       "'int8': quantize x per 32-block for integer dot products; 'float32': x as is.");
   m.def("q8_kernel", &specmlx::q8_kernel, "The int8-activation tiles the ISA runs.");
+  m.def("amx_available", &specmlx::amx_available, "Whether this CPU and OS let the kernel use AMX.");
+  m.def("set_amx", &specmlx::set_amx, "on"_a, "Let int8 passes over many rows use AMX (default), or not (tests).");
 }

@@ -18,6 +18,8 @@
 #define SPECMLX_AVX2_Q8 __attribute__((target("avx2,fma,f16c")))
 #define SPECMLX_VNNI512 \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+#define SPECMLX_AMX \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")))
 
 namespace specmlx {
 
@@ -76,6 +78,10 @@ struct QmmJob {
   const float* xd = nullptr;   // M rows of ldd: the scale of each 32-block
   const float* xs = nullptr;   // M rows of ldg: per weight group, sum of scale * code
   int ldq = 0, ldd = 0, ldg = 0;
+  // the same, laid out for the AMX tiles (prepare_x_amx), when the job runs on them
+  const int8_t* xb = nullptr;   // per 16 rows of x and 32-block: the block's x tile
+  const float* xdt = nullptr;   // per 16 rows and block: the 16 rows' scales
+  const float* xst = nullptr;   // per 16 rows and group (ldg of them): the 16 rows' sums
 };
 
 // Codes x is quantized in: each 32-block of a row gets scale amax/127 and codes in -127..127.

@@ -19,6 +19,11 @@
 // 8-bit layout: a weight row is K bytes in k order, and so is q. A chunk is 64 bytes on
 // AVX-512 (one vpdpbusd: lanes of 4 consecutive k) and 32 on AVX2 (one x block).
 //
+// Tiles: AVX-512 VNNI takes four output rows a tile for 4 bits (two for 8); from 16 rows
+// of x on, 4-bit passes go to the AMX tile where the CPU has one (amx.cpp), which repeats
+// the four-row tile's float sequence on the same exact integer sums. AVX2 and scalar take
+// two output rows.
+//
 // Every row of x runs the same operations in the same order whatever the tile's other rows
 // are, so a row's result does not depend on M, nor (rows are split, sums are not) on threads.
 #include <immintrin.h>
@@ -29,6 +34,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "amx.h"
 #include "kernels.h"
 
 // gcc 12's AVX-512 headers also trip -Wuninitialized on their _mm512_undefined_*() values
@@ -125,10 +131,9 @@ void tile_q8_scalar(const QmmJob& j, int n0, int n1, int m0, int mt) {
 }
 
 // ---------------------------------------------------------------------------------------
-// AVX-512 VNNI: a chunk is 64 bytes (4 bits: 128 codes, 1-4 groups). Per row of x and
-// output row, two vpdpbusd leave 16 int32 lanes of 8-code sums; a 128-bit quarter of them
-// is one x block (32 codes) and so one weight group too. With 8 bits a chunk is 64 codes
-// (1-2 groups) and one vpdpbusd leaves lanes of 4-code sums, a quarter being half an x block.
+// AVX-512 VNNI, 8 bits: two output rows a tile. A chunk is 64 bytes, 64 codes (1-2
+// groups); per row of x and output row one vpdpbusd leaves 16 int32 lanes of 4-code sums,
+// a 128-bit quarter of them being half an x block. (4 bits take the four-row tile below.)
 // The two output rows' lanes are then folded into one register (unpack low/high and add,
 // within quarters: lanes alternate between the rows, each sum inside one block), so the
 // float work (convert, s * d, FMA) is done once per row pair, not per row. Even lanes
@@ -151,9 +156,8 @@ SPECMLX_VNNI512 inline __attribute__((always_inline)) __m256 halves8_512(const v
 }
 
 // Which of a pair of 8-scale registers (row 0's, then row 1's at 16 on) lane l of a chunk
-// takes, the chunk starting `first` groups into them: quarter q holds the QC codes from
-// QC * q on (32 for 4 bits, 16 for 8), so group first + QC * q / GS; lanes alternate
-// between the two output rows.
+// takes, the chunk starting `first` groups into them: quarter q holds the QC = 16 codes
+// from QC * q on, so group first + QC * q / GS; lanes alternate between the two output rows.
 template <int GS, int QC>
 SPECMLX_VNNI512 inline __m512i pair_lanes(int first) {
   return _mm512_add_epi32(
@@ -166,50 +170,35 @@ SPECMLX_VNNI512 inline __m512i pair_lanes(int first) {
 // One chunk of both output rows against MT rows of x: the integer dots, the fold of the
 // two rows into one register and the float step acc += float(dot) * (sc * d). q and d
 // point at the chunk's codes and block scales of the tile's first row of x.
-template <int MT, int BITS>
+template <int MT>
 SPECMLX_VNNI512 inline __attribute__((always_inline)) void chunk_512(
     __m512 (&acc)[MT], __m512i b0, __m512i b1, __m512 sc, const int8_t* q, size_t ldq, const float* d,
     size_t ldd) {
-  constexpr int kBytes = 64;
-  const __m512i low4 = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
-  // x's block scales of a chunk spread over its quarters: 4 bits, one block per quarter;
-  // 8 bits, one per half. (Kept per block, not per lane: at K = 8960 a few rows of x then
-  // still fit in L1 beside the weights streaming through.)
-  const __m512i quarters = BITS == 4 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
-                                     : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  // 8 bits: the bytes as they are; 4 bits: low and high nibbles, two vpdpbusd per row
-  __m512i lo0 = b0, lo1 = b1, hi0, hi1;
-  if constexpr (BITS == 4) {
-    lo0 = _mm512_and_si512(b0, low4);
-    hi0 = _mm512_and_si512(_mm512_srli_epi16(b0, 4), low4);
-    lo1 = _mm512_and_si512(b1, low4);
-    hi1 = _mm512_and_si512(_mm512_srli_epi16(b1, 4), low4);
-  }
+  const __m512i zero = _mm512_setzero_si512();
+  // x's block scales of a chunk spread over its halves, one block each. (Kept per block,
+  // not per lane: at K = 8960 a few rows of x then still fit in L1 beside the weights
+  // streaming through.)
+  const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   // Every loop over acc is unrolled: with a loop left over it, GCC keeps acc in memory
   // and stores each accumulator once per chunk (10-20% of a row).
   #pragma GCC unroll 16
   for (int m = 0; m < MT; ++m) {
     const int8_t* qm = q + size_t(m) * ldq;
     const __m512i xl = _mm512_loadu_si512(qm);
-    const __m512 dm = _mm512_permutexvar_ps(quarters, _mm512_castps128_ps512(_mm_loadu_ps(d + size_t(m) * ldd)));
-    __m512i i0 = _mm512_dpbusd_epi32(zero, lo0, xl), i1 = _mm512_dpbusd_epi32(zero, lo1, xl);
-    if constexpr (BITS == 4) {
-      const __m512i xh = _mm512_loadu_si512(qm + kBytes);
-      i0 = _mm512_dpbusd_epi32(i0, hi0, xh);
-      i1 = _mm512_dpbusd_epi32(i1, hi1, xh);
-    }
+    const __m512 dm = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_loadu_ps(d + size_t(m) * ldd)));
+    const __m512i i0 = _mm512_dpbusd_epi32(zero, b0, xl), i1 = _mm512_dpbusd_epi32(zero, b1, xl);
     const __m512i both = _mm512_add_epi32(_mm512_unpacklo_epi32(i0, i1), _mm512_unpackhi_epi32(i0, i1));
     acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(both), _mm512_mul_ps(sc, dm), acc[m]);
   }
 }
 
-template <int MT, int GS, int BITS, ScaleType ST>
+template <int MT, int GS, ScaleType ST>
 SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n0, int n1, int m0) {
-  constexpr int kCodes = 512 / BITS, kBytes = 64, kGroups = std::max(1, kCodes / GS), kQC = kCodes / 4;
-  // A pair of chunks takes its scales in one load per row: 2 * kCodes / GS groups (8 at
-  // most: 4 bits, GS = 32), or the one group both halves of an 8-bit chunk pair lie in.
+  constexpr int kCodes = 64, kBytes = 64, kGroups = std::max(1, kCodes / GS), kQC = kCodes / 4;
+  // A pair of chunks takes its scales in one load per row: 2 * kCodes / GS groups (4 at
+  // most, GS = 32), or the one group both chunks lie in.
   constexpr int kPairGroups = std::max(1, 2 * kCodes / GS);
-  const int bytes = j.K * BITS / 8, groups = j.K / GS;
+  const int bytes = j.K, groups = j.K / GS;
   const int chunks = (j.K + kCodes - 1) / kCodes;
   const int tail = bytes - (chunks - 1) * kBytes;  // bytes in the last chunk, 16..64
   const int full_chunks = tail == kBytes ? chunks : chunks - 1;
@@ -236,7 +225,7 @@ SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n0, int n1, int m0) {
       const __m512i b0 = _mm512_loadu_si512(w0 + (c + h) * kBytes);
       const __m512i b1 = _mm512_loadu_si512(w1 + (c + h) * kBytes);
       const __m512 sc = _mm512_permutex2var_ps(r0, h == 0 ? first : second, r1);
-      chunk_512<MT, BITS>(acc, b0, b1, sc, xq + (c + h) * kCodes, j.ldq, xd + (c + h) * kCodes / kQ8Block, j.ldd);
+      chunk_512<MT>(acc, b0, b1, sc, xq + (c + h) * kCodes, j.ldq, xd + (c + h) * kCodes / kQ8Block, j.ldd);
     }
   }
   // A last odd chunk, and a partial one (masked loads: they stream from DRAM more slowly,
@@ -254,7 +243,7 @@ SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n0, int n1, int m0) {
     const __m512 sc = _mm512_permutex2var_ps(
         _mm512_castps256_ps512(halves8_512<ST>(j.scales, s0 + g0, valid)), first,
         _mm512_castps256_ps512(halves8_512<ST>(j.scales, s1 + g0, valid)));
-    chunk_512<MT, BITS>(acc, b0, b1, sc, xq + c * kCodes, j.ldq, xd + c * kCodes / kQ8Block, j.ldd);
+    chunk_512<MT>(acc, b0, b1, sc, xq + c * kCodes, j.ldq, xd + c * kCodes / kQ8Block, j.ldd);
   }
   // The bias term: b . (sum of d * q per group), 8 groups per step, in the same
   // alternating lanes; xs is zero-padded.
@@ -277,6 +266,136 @@ SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n0, int n1, int m0) {
     y[n0] = _mm512_mask_reduce_add_ps(0x5555, acc[m]);
     if (n1 != n0) {
       y[n1] = _mm512_mask_reduce_add_ps(0xAAAA, acc[m]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// AVX-512 VNNI, 4 bits: four output rows a tile. Per row of x and chunk, eight vpdpbusd
+// leave each output row's 16 lanes of 8-code sums; two folds (unpack 32-bit low/high and
+// add, then 64-bit) sum each 32-block's four lanes in one int32 lane: lane 4q + r holds
+// output row r's whole sum over the chunk's block q. The float step (convert, s * d, FMA)
+// is then done once per four rows and every product of a block is in one sum, so a row's
+// result is a fixed sequence of float operations on exact integer block sums: the AMX tile
+// (amx.cpp) computes the same sums and repeats the sequence, bitwise.
+//
+// The sequence, per output row n and row of x m: four float32 accumulators a_0..a_3 from
+// zero; for each block b in k order, a_(b % 4) = fma(float(I_b), s_(n, g(b)) * d_(m, b),
+// a_(b % 4)), I_b the block's integer dot product; then for each weight group g in order,
+// a_(g % 4) = fma(bias_(n, g), xs_(m, g), a_(g % 4)); y = (a_0 + a_2) + (a_1 + a_3).
+constexpr int kQuadMaxRows = 8;  // 8 accumulators + 8 code registers + temporaries
+
+// Four scales or biases from index i (zero past the `valid` ones) as float, exactly.
+template <ScaleType ST>
+SPECMLX_VNNI512 inline __attribute__((always_inline)) __m128 four_512(const void* p, size_t i, __mmask8 valid) {
+  if constexpr (ST == ScaleType::f32) {
+    return _mm_maskz_loadu_ps(valid, static_cast<const float*>(p) + i);
+  } else if constexpr (ST == ScaleType::f16) {
+    return _mm_cvtph_ps(_mm_maskz_loadu_epi16(valid, static_cast<const uint16_t*>(p) + i));
+  } else {
+    const __m128i h = _mm_maskz_loadu_epi16(valid, static_cast<const uint16_t*>(p) + i);
+    return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
+  }
+}
+
+// Four values of each of four rows (row starts s[r], from index g), row r in lanes 4r..4r+3.
+template <ScaleType ST>
+SPECMLX_VNNI512 inline __attribute__((always_inline)) __m512 rows4_512(
+    const void* p, const size_t (&s)[4], size_t g, __mmask8 valid) {
+  __m512 v = _mm512_castps128_ps512(four_512<ST>(p, s[0] + g, valid));
+  v = _mm512_insertf32x4(v, four_512<ST>(p, s[1] + g, valid), 1);
+  v = _mm512_insertf32x4(v, four_512<ST>(p, s[2] + g, valid), 2);
+  return _mm512_insertf32x4(v, four_512<ST>(p, s[3] + g, valid), 3);
+}
+
+// Lane 4q + r of a rows4_512 register arranged for a chunk: row r's value for block q's
+// group (q * 32 / GS of the chunk's groups), or with GS = 32 (biases: one per step) its q-th.
+template <int GS>
+SPECMLX_VNNI512 inline __m512i quad_lanes() {
+  if constexpr (GS == 32) {
+    return _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  } else if constexpr (GS == 64) {
+    return _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 1, 5, 9, 13, 1, 5, 9, 13);
+  } else {
+    return _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12);
+  }
+}
+
+template <int MT, int GS, ScaleType ST>
+SPECMLX_VNNI512 void tile4_q8_vnni512(const QmmJob& j, const int (&n)[4], int m0) {
+  constexpr int kCodes = 128, kBytes = 64, kGroups = std::max(1, kCodes / GS);
+  const int bytes = j.K / 2, groups = j.K / GS;
+  const int chunks = (j.K + kCodes - 1) / kCodes;
+  const int tail = bytes - (chunks - 1) * kBytes;  // bytes in the last chunk, 16..64
+  const uint8_t* w[4];
+  size_t s[4];
+  for (int r = 0; r < 4; ++r) {
+    w[r] = reinterpret_cast<const uint8_t*>(j.w) + size_t(n[r]) * bytes;
+    s[r] = size_t(n[r]) * groups;
+  }
+  const int8_t* xq = j.xq + size_t(m0) * j.ldq;
+  const float* xd = j.xd + size_t(m0) * j.ldd;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
+  const __m512i quarters = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const __m512i scale_lanes = quad_lanes<GS>();
+
+  __m512 acc[MT];
+  #pragma GCC unroll 16
+  for (int m = 0; m < MT; ++m) {
+    acc[m] = _mm512_setzero_ps();
+  }
+  const __mmask64 tail_mask = tail == kBytes ? ~__mmask64(0) : (__mmask64(1) << tail) - 1;
+  for (int c = 0; c < chunks; ++c) {
+    const bool full = c + 1 < chunks || tail == kBytes;
+    __m512i lo[4], hi[4];
+    #pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) {
+      const uint8_t* p = w[r] + c * kBytes;
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
+      const __m512i b = full ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(tail_mask, p);
+      lo[r] = _mm512_and_si512(b, low4);
+      hi[r] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
+    }
+    const int g0 = c * kCodes / GS;
+    const __mmask8 valid = __mmask8((1u << std::min(kGroups, groups - g0)) - 1);
+    const __m512 sc = _mm512_permutexvar_ps(scale_lanes, rows4_512<ST>(j.scales, s, g0, valid));
+    #pragma GCC unroll 16
+    for (int m = 0; m < MT; ++m) {
+      const int8_t* qm = xq + size_t(m) * j.ldq + c * kCodes;
+      const __m512i xl = _mm512_loadu_si512(qm), xh = _mm512_loadu_si512(qm + kBytes);
+      const __m512 dm = _mm512_permutexvar_ps(
+          quarters, _mm512_castps128_ps512(_mm_loadu_ps(xd + size_t(m) * j.ldd + c * kCodes / kQ8Block)));
+      __m512i i[4];
+      #pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
+        i[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo[r], xl), hi[r], xh);
+      }
+      const __m512i t01 = _mm512_add_epi32(_mm512_unpacklo_epi32(i[0], i[1]), _mm512_unpackhi_epi32(i[0], i[1]));
+      const __m512i t23 = _mm512_add_epi32(_mm512_unpacklo_epi32(i[2], i[3]), _mm512_unpackhi_epi32(i[2], i[3]));
+      const __m512i sums = _mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23), _mm512_unpackhi_epi64(t01, t23));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(sc, dm), acc[m]);
+    }
+  }
+  // The bias term, four groups a step: lane 4q + r takes row r's group g + q.
+  const __m512i bias_lanes = quad_lanes<32>();
+  for (int g = 0; g < groups; g += 4) {
+    const __mmask8 valid = __mmask8((1u << std::min(4, groups - g)) - 1);
+    const __m512 bv = _mm512_permutexvar_ps(bias_lanes, rows4_512<ST>(j.biases, s, g, valid));
+    #pragma GCC unroll 16
+    for (int m = 0; m < MT; ++m) {
+      const __m128 xs = _mm_loadu_ps(j.xs + size_t(m0 + m) * j.ldg + g);
+      acc[m] = _mm512_fmadd_ps(bv, _mm512_permutexvar_ps(quarters, _mm512_castps128_ps512(xs)), acc[m]);
+    }
+  }
+  #pragma GCC unroll 16
+  for (int m = 0; m < MT; ++m) {
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc[m]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[m]), 1)));
+    const __m128 f = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    alignas(16) float out[4];
+    _mm_store_ps(out, f);
+    float* y = j.y + size_t(m0 + m) * j.N;
+    for (int r = 0; r < 4; ++r) {
+      y[n[r]] = out[r];
     }
   }
 }
@@ -430,30 +549,46 @@ void with_scale_type(ScaleType t, Tile&& tile) {
       return tile(std::integral_constant<ScaleType, ScaleType::f16>{});
   }
 }
-template <int MT, int GS, int BITS>
+template <int MT, int GS>
 void run_vnni512(const QmmJob& j, int n0, int n1, int m0) {
-  with_scale_type(j.stype, [&](auto st) { tile_q8_vnni512<MT, GS, BITS, st.value>(j, n0, n1, m0); });
+  with_scale_type(j.stype, [&](auto st) { tile_q8_vnni512<MT, GS, st.value>(j, n0, n1, m0); });
+}
+template <int MT, int GS>
+void run_quad(const QmmJob& j, const int (&n)[4], int m0) {
+  with_scale_type(j.stype, [&](auto st) { tile4_q8_vnni512<MT, GS, st.value>(j, n, m0); });
 }
 template <int MT, int GS, int BITS>
 void run_avx2(const QmmJob& j, int n0, int n1, int m0) {
   with_scale_type(j.stype, [&](auto st) { tile_q8_avx2<MT, GS, BITS, st.value>(j, n0, n1, m0); });
 }
 
-template <int GS, int BITS, int... MT>
+template <int GS, int... MT>
 constexpr std::array<TileFn, sizeof...(MT)> vnni512_tiles(std::integer_sequence<int, MT...>) {
-  return {&run_vnni512<MT + 1, GS, BITS>...};
+  return {&run_vnni512<MT + 1, GS>...};
 }
 template <int GS, int BITS, int... MT>
 constexpr std::array<TileFn, sizeof...(MT)> avx2_tiles(std::integer_sequence<int, MT...>) {
   return {&run_avx2<MT + 1, GS, BITS>...};
 }
 
-template <int BITS>
 TileFn pick_vnni512(int group_size, int mt) {
   using Seq = std::make_integer_sequence<int, kVnniMaxRows>;
-  static constexpr auto g32 = vnni512_tiles<32, BITS>(Seq{});
-  static constexpr auto g64 = vnni512_tiles<64, BITS>(Seq{});
-  static constexpr auto g128 = vnni512_tiles<128, BITS>(Seq{});
+  static constexpr auto g32 = vnni512_tiles<32>(Seq{});
+  static constexpr auto g64 = vnni512_tiles<64>(Seq{});
+  static constexpr auto g128 = vnni512_tiles<128>(Seq{});
+  return (group_size == 32 ? g32 : group_size == 64 ? g64 : g128)[mt - 1];
+}
+
+using QuadFn = void (*)(const QmmJob&, const int (&)[4], int m0);
+template <int GS, int... MT>
+constexpr std::array<QuadFn, sizeof...(MT)> quad_tiles(std::integer_sequence<int, MT...>) {
+  return {&run_quad<MT + 1, GS>...};
+}
+QuadFn pick_quad(int group_size, int mt) {
+  using Seq = std::make_integer_sequence<int, kQuadMaxRows>;
+  static constexpr auto g32 = quad_tiles<32>(Seq{});
+  static constexpr auto g64 = quad_tiles<64>(Seq{});
+  static constexpr auto g128 = quad_tiles<128>(Seq{});
   return (group_size == 32 ? g32 : group_size == 64 ? g64 : g128)[mt - 1];
 }
 
@@ -624,32 +759,51 @@ void quantize_row_q8(const float* x, int K, int group_size, int bits, Isa isa, i
 }
 
 void qmm_rows_q8(Isa isa, const QmmJob& j, int n0, int n1) {
+  if (j.xb != nullptr) {  // prepare_x_amx laid x out for AMX
+    return qmm_rows_amx(j, n0, n1);
+  }
   const Isa tiles = q8_isa(isa);
-  const int tile_rows = tiles == Isa::avx512 ? kVnniMaxRows : tiles == Isa::avx2 ? kAvx2MaxRows : kScalarMaxRows;
+  const bool quad = tiles == Isa::avx512 && j.bits == 4;
+  const int tile_rows = quad ? kQuadMaxRows
+      : tiles == Isa::avx512 ? kVnniMaxRows
+      : tiles == Isa::avx2   ? kAvx2MaxRows
+                             : kScalarMaxRows;
+  const int out_rows = quad ? 4 : 2;  // output rows a tile computes
   // With more rows of x than one tile takes (prefill), output rows go in blocks whose
   // weights (codes, scales, biases) fit in half of L2; each x tile (a few rows of q and d:
   // L1-sized for K up to a few thousand) sweeps one block before the next comes in, so
   // each weight is read from memory once, not M / MT times. With one tile (decode, verify)
   // the block is the whole range.
   //
-  // A tile pairs row n with row n + half of its block, not with n + 1: each of its two
-  // weight streams (and each scale and bias stream) then runs on through memory, row after
-  // row, which the hardware prefetchers follow. Adjacent pairs read two interleaved runs of
-  // one row each that then jump a row ahead; the prefetchers lose them (a weights-only
-  // read in that order ran at a third of a sequential one, bench/results/row_pairing.md).
-  // A row's result does not depend on its partner.
+  // A tile takes row n with rows n + part, n + 2 part ... of its block (part: the block's
+  // rows over the tile's), not with n + 1: each of its weight streams (and each scale and
+  // bias stream) then runs on through memory, row after row, which the hardware
+  // prefetchers follow. Adjacent rows read interleaved runs of one row each that then jump
+  // ahead; the prefetchers lose them (a weights-only read in that order ran at a third of a
+  // sequential one, bench/results/row_pairing.md). A row's result does not depend on its
+  // partners; past the block's end a tile repeats its first row.
   const size_t weight_bytes = size_t(j.K) * j.bits / 8 + 8 * size_t(j.K / j.group_size);
-  const int block = j.M <= tile_rows ? n1 - n0 : std::max(2, int(kL2Bytes / 2 / weight_bytes) / 2 * 2);
+  const int block = j.M <= tile_rows
+      ? n1 - n0
+      : std::max(out_rows, int(kL2Bytes / 2 / weight_bytes) / out_rows * out_rows);
   for (int nb = n0; nb < n1; nb += block) {
     const int nb_end = std::min(n1, nb + block);
-    const int half = (nb_end - nb + 1) / 2;
+    const int part = (nb_end - nb + out_rows - 1) / out_rows;
     for (int m0 = 0; m0 < j.M; m0 += tile_rows) {
       const int mt = std::min(tile_rows, j.M - m0);
-      for (int a = nb; a < nb + half; ++a) {
-        const int b = a + half < nb_end ? a + half : a;  // a lone middle row of an odd block
+      for (int a = nb; a < nb + part; ++a) {
+        if (quad) {
+          int n[4];
+          for (int r = 0; r < 4; ++r) {
+            n[r] = a + r * part < nb_end ? a + r * part : a;
+          }
+          pick_quad(j.group_size, mt)(j, n, m0);
+          continue;
+        }
+        const int b = a + part < nb_end ? a + part : a;  // a lone middle row of an odd block
         switch (tiles) {
           case Isa::avx512:
-            (j.bits == 4 ? pick_vnni512<4> : pick_vnni512<8>)(j.group_size, mt)(j, a, b, m0);
+            pick_vnni512(j.group_size, mt)(j, a, b, m0);
             break;
           case Isa::avx2:
             (j.bits == 4 ? pick_avx2<4> : pick_avx2<8>)(j.group_size, mt)(j, a, b, m0);

@@ -4,10 +4,12 @@
 #include <atomic>
 #include <memory>
 #include <optional>
+#include <string_view>
 #include <stdexcept>
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "kernels.h"
 #include "scratch.h"
 #include "strided.h"
@@ -131,6 +133,9 @@ void prepare_x(const MatmulCall& c, Isa isa, bool q8, QmmJob& job) {
     job.xq = q;
     job.xd = d;
     job.xs = s;
+    if (amx_rows(job, isa)) {
+      prepare_x_amx(job);
+    }
   } else {
     float* xp = scratch(x_buf, x_cap, size_t(c.M) * job.ldx);
     // 8-bit codes come out of memory in k order, so their x stays in k order too.
@@ -158,8 +163,9 @@ struct RowRange {
 // graph); with fixed shares the whole op waited for it, here the other thread takes over
 // its ranges. About kRangesPerThread a thread, of at least kMinRangeRows rows: two weight
 // streams of 32 rows and more run as fast as longer ones (bench/memory_streams.c with
-// B = 64). Ranges are whole pairs; a row's result does not depend on its range (nor on its
-// partner), so the results are those of any other cut.
+// B = 64). Ranges are whole AMX tiles (16 rows; the vector tiles take 2 or 4); a row's
+// result does not depend on its range (nor on its partners), so the results are those of
+// any other cut.
 constexpr int kRangesPerThread = 16, kMinRangeRows = 64;
 
 std::vector<RowRange> row_ranges(const std::vector<int>& rows, int n_threads) {
@@ -167,7 +173,7 @@ std::vector<RowRange> row_ranges(const std::vector<int>& rows, int n_threads) {
   for (int n : rows) {
     total += n;
   }
-  const int size = n_threads == 1 ? total : std::max(kMinRangeRows, (total / (kRangesPerThread * n_threads) + 1) / 2 * 2);
+  const int size = n_threads == 1 ? total : std::max(kMinRangeRows, (total / (kRangesPerThread * n_threads) + 15) / 16 * 16);
   std::vector<RowRange> ranges;
   for (int i = 0; i < int(rows.size()); ++i) {
     for (int n0 = 0; n0 < rows[i]; n0 += size) {
@@ -625,7 +631,9 @@ void set_activations(const std::string& name) {
 }
 
 const char* q8_kernel() {
-  return q8_kernel_name(g_isa.load());
+  const Isa isa = g_isa.load();
+  const char* tiles = q8_kernel_name(isa);
+  return std::string_view(tiles) == "vnni512" && amx_enabled() ? "vnni512, amx from 16 rows" : tiles;
 }
 
 } // namespace specmlx
