@@ -4,6 +4,10 @@ row's result never depends on how many rows ran with it (speculative greedy equa
 target alone's). Where the CPU has no AMX the same calls run on the vector tiles and these
 tests check that row independence across the 16-row boundary instead."""
 
+import os
+import subprocess
+import sys
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -69,6 +73,16 @@ def test_the_kernel_says_when_it_uses_amx(int8_avx512):
     assert "amx from 16 rows" in native.describe()
     native._ext.set_amx(False)
     assert "amx" not in native.describe()
+
+
+@needs_amx
+@pytest.mark.parametrize("value, uses_amx", [("0", False), ("1", True)])
+def test_specmlx_amx_0_keeps_the_kernel_on_the_vector_tiles(value, uses_amx):
+    code = "from specmlx.cpu import native; print(native._ext.q8_kernel())"
+    env = dict(os.environ, SPECMLX_AMX=value)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert ("amx" in out.stdout) == uses_amx, out.stdout
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])

@@ -92,6 +92,13 @@ if _ext is None and _platform_expects_native() and os.environ.get("SPECMLX_NATIV
     )
 
 
+# AMX (int8 passes of 16 rows and more, same results as without it) is on where the CPU
+# and Linux grant it; SPECMLX_AMX=0 keeps the kernel on its vector tiles, for a VM whose
+# AMX misbehaves or to time one against the other.
+if _ext is not None and os.environ.get("SPECMLX_AMX", "1") == "0":
+    _ext.set_amx(False)
+
+
 def _env_activations() -> tuple[str, str]:
     """(the activations SPECMLX_ACTIVATIONS asks for, or the default; '' or why it is bad)."""
     text = os.environ.get(ENV_ACTIVATIONS, "").strip()
