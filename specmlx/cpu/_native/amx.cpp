@@ -268,14 +268,7 @@ SPECMLX_AMX void tile_rows_amx(const QmmJob& j, int n, int count, uint8_t* wt, f
 
 template <int GS>
 void rows_amx(const QmmJob& j, int n, int count, uint8_t* wt, float* sc, float* bs) {
-  switch (j.stype) {
-    case ScaleType::f32:
-      return tile_rows_amx<GS, ScaleType::f32>(j, n, count, wt, sc, bs);
-    case ScaleType::bf16:
-      return tile_rows_amx<GS, ScaleType::bf16>(j, n, count, wt, sc, bs);
-    case ScaleType::f16:
-      return tile_rows_amx<GS, ScaleType::f16>(j, n, count, wt, sc, bs);
-  }
+  with_scale_type(j.stype, [&](auto st) { tile_rows_amx<GS, st.value>(j, n, count, wt, sc, bs); });
 }
 
 } // namespace

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "mlx/dtype.h"
 #include "mlx/types/half_types.h"
@@ -30,6 +31,20 @@ inline ScaleType scale_type(mlx::core::Dtype t) {
   return t == mlx::core::float32 ? ScaleType::f32 : t == mlx::core::bfloat16 ? ScaleType::bf16 : ScaleType::f16;
 }
 enum class Isa { scalar, avx2, avx512 };
+
+// tile(std::integral_constant<ScaleType, t>{}): a kernel templated on the scales' type,
+// called for the type t of a job's scales.
+template <typename Tile>
+void with_scale_type(ScaleType t, Tile&& tile) {
+  switch (t) {
+    case ScaleType::f32:
+      return tile(std::integral_constant<ScaleType, ScaleType::f32>{});
+    case ScaleType::bf16:
+      return tile(std::integral_constant<ScaleType, ScaleType::bf16>{});
+    case ScaleType::f16:
+      return tile(std::integral_constant<ScaleType, ScaleType::f16>{});
+  }
+}
 
 // A scale or bias as float, for the scalar kernels (MLX's conversions).
 inline float scale_at(const void* p, size_t i, ScaleType t) {

@@ -31,7 +31,6 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <type_traits>
 #include <utility>
 
 #include "amx.h"
@@ -538,17 +537,6 @@ SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n0, int n1, int m0) {
 // ---------------------------------------------------------------------------------------
 // Tables of instantiations: [bits 4/8][group size 32/64/128][MT - 1], each entry picking
 // the tile for the job's scale type (a template parameter of the tiles).
-template <typename Tile>
-void with_scale_type(ScaleType t, Tile&& tile) {
-  switch (t) {
-    case ScaleType::f32:
-      return tile(std::integral_constant<ScaleType, ScaleType::f32>{});
-    case ScaleType::bf16:
-      return tile(std::integral_constant<ScaleType, ScaleType::bf16>{});
-    case ScaleType::f16:
-      return tile(std::integral_constant<ScaleType, ScaleType::f16>{});
-  }
-}
 template <int MT, int GS>
 void run_vnni512(const QmmJob& j, int n0, int n1, int m0) {
   with_scale_type(j.stype, [&](auto st) { tile_q8_vnni512<MT, GS, st.value>(j, n0, n1, m0); });

@@ -4,7 +4,6 @@
 #include <atomic>
 #include <memory>
 #include <optional>
-#include <string_view>
 #include <stdexcept>
 #include <type_traits>
 #include <vector>
@@ -632,8 +631,8 @@ void set_activations(const std::string& name) {
 
 const char* q8_kernel() {
   const Isa isa = g_isa.load();
-  const char* tiles = q8_kernel_name(isa);
-  return std::string_view(tiles) == "vnni512" && amx_enabled() ? "vnni512, amx from 16 rows" : tiles;
+  // amx_rows' condition; AMX CPUs all have VNNI, so their avx512 tiles are vnni512
+  return isa == Isa::avx512 && amx_enabled() ? "vnni512, amx from 16 rows" : q8_kernel_name(isa);
 }
 
 } // namespace specmlx
