@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -185,13 +186,19 @@ def rewind(model: Model, cache: list, saved: list | None, kept: list[int], dropp
         for c in every:
             _cut(c, dropped) if isinstance(c, RotatingKVCache) else trim([c], dropped)
         return 0
-    for c, state in zip(every, saved, strict=True):
+    restore(cache, saved)
+    prefill(model, cache, kept)
+    return len(kept)
+
+
+def restore(cache: list, saved: list) -> None:
+    """Put every layer of `cache` back as `checkpoint` found it (the layers must be the
+    ones it saw, and have only grown or been restored since)."""
+    for c, state in zip(layers(cache), saved, strict=True):
         if isinstance(c, EXACT_TRIM):
             trim([c], c.offset - state)
         else:
             c.state = _hold(state)
-    prefill(model, cache, kept)
-    return len(kept)
 
 
 def _hold(state):
@@ -267,21 +274,63 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     return next((i for i in range(n) if a[i] != b[i]), n)
 
 
-def align_cache(model: Model, cache: list, cached: list[int], tokens: list[int]) -> int:
+@dataclass
+class Snapshot:
+    """A cache that cannot be trimmed, as it was when it held `tokens` (a call's prompt):
+    a later call whose prompt starts with them restores it instead of prefilling from
+    the start (the same prompt again with another seed, a bench's repeats). It holds
+    views of the layers' arrays, so a sliding window's buffer is copied once by the next
+    write into it."""
+
+    tokens: list[int]
+    layers: list  # the layer objects it was taken of: a remade cache cannot restore it
+    saved: list
+
+    def fits(self, cache: list, tokens: list[int]) -> bool:
+        now = layers(cache)
+        prefix = common_prefix_len(self.tokens, tokens) == len(self.tokens)
+        if len(now) != len(self.layers) or not prefix:
+            return False
+        # the same layers; one that trims holds what it held then, and more, never less
+        return all(
+            c is was and (not isinstance(c, EXACT_TRIM) or c.offset >= offset)
+            for c, was, offset in zip(now, self.layers, self.saved, strict=True)
+        )
+
+
+def snapshot(cache: list, tokens: list[int]) -> Snapshot | None:
+    """A Snapshot of `cache`, which holds `tokens`; None where trims roll it back."""
+    if trims_exactly(cache) or not tokens:
+        return None
+    return Snapshot(list(tokens), layers(cache), checkpoint(cache))
+
+
+def align_cache(
+    model: Model,
+    cache: list,
+    cached: list[int],
+    tokens: list[int],
+    saved: Snapshot | None = None,
+) -> int:
     """Trim `cache` to the longest prefix of `tokens` it holds; return that length.
 
     `cached` is what the cache held at the end of the last complete round, or [] when a
     round was interrupted mid-pass. A cache that cannot be trimmed exactly (a sliding
     window, a recurrent state) is kept only when it holds a prefix of `tokens` as it is,
-    and otherwise made anew, to be prefilled from the start.
+    else restored from `saved` where that fits, and otherwise made anew, to be
+    prefilled from the start.
     """
     keep = common_prefix_len(cached, tokens)
     if not trims_exactly(cache):
-        if keep < len(cached) or not cached:
-            cache[:] = make_cache(model.module)
-            cached.clear()
-            return 0
-        return keep
+        if cached and keep == len(cached):
+            return keep
+        if saved is not None and saved.fits(cache, tokens):
+            restore(cache, saved.saved)
+            cached[:] = saved.tokens
+            return len(cached)
+        cache[:] = make_cache(model.module)
+        cached.clear()
+        return 0
     offset = cache[0].offset if cache and hasattr(cache[0], "offset") else len(cached)
     if offset > len(cached):  # an interrupted round's extra entries
         trim(cache, offset - len(cached))
@@ -300,13 +349,15 @@ def sync_cache(
     cached: list[int],
     tokens: list[int],
     progress: Callable[[int, int], None] | None = None,
+    saved: Snapshot | None = None,
 ) -> int:
-    """Make `cache` hold exactly `tokens`, reusing the longest prefix it already holds.
+    """Make `cache` hold exactly `tokens`, reusing the longest prefix it already holds
+    (or `saved`: see align_cache).
 
     Returns how many tokens had to be processed (the prefill of this call, which
     `progress` follows: see `prefill`).
     """
-    keep = align_cache(model, cache, cached, tokens)
+    keep = align_cache(model, cache, cached, tokens, saved)
     prefill(model, cache, tokens[keep:], progress=progress)
     cached.extend(tokens[keep:])
     return len(tokens) - keep

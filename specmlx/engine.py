@@ -21,6 +21,7 @@ from .caches import (
     checkpoint,
     make_cache,
     rewind,
+    snapshot,
     sync_cache,
     trim,
     trims_exactly,
@@ -167,6 +168,7 @@ class Session:
         """Forget the conversation (both caches); keep the models and what was measured."""
         self.cache = make_cache(self.target.module)
         self.cached: list[int] = []  # tokens whose entries are in the target cache
+        self.prompt_snapshot = None  # the cache at the last call's prompt, where trims can't
         self.drafter = None if self.draft is None else model_drafter(self.draft, self.vocab_size)
 
     @property
@@ -336,7 +338,10 @@ def _decode(
     target, cache, cached, stats = session.target, session.cache, session.cached, gen.stats
     stats.prompt_tokens = len(ids)
     start = time.perf_counter()
-    stats.prefill_tokens = sync_cache(target, cache, cached, ids[:-1], on_prefill)
+    stats.prefill_tokens = sync_cache(
+        target, cache, cached, ids[:-1], on_prefill, session.prompt_snapshot
+    )
+    session.prompt_snapshot = snapshot(cache, cached)
     for drafter in drafters:
         drafter.start(ids)
     stats.prefill_time = time.perf_counter() - start

@@ -8,7 +8,16 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from ..caches import PREFILL_STEP, align_cache, checkpoint, make_cache, prefill, rewind, timed_pass
+from ..caches import (
+    PREFILL_STEP,
+    align_cache,
+    checkpoint,
+    make_cache,
+    prefill,
+    rewind,
+    snapshot,
+    timed_pass,
+)
 from ..cpu import softmax
 from ..loading import Model
 from .protocol import Draw, GoOn, Proposal
@@ -35,6 +44,7 @@ class ModelDrafter:
         self.head = head
         self.cache = make_cache(model.module)
         self.cached: list[int] = []  # tokens whose entries are in the cache
+        self.prompt_snapshot = None  # the cache at the last prompt it took, where trims can't
         self.pending: list[int] = []  # tokens of the text not yet fed; the last drafts next
         self.prompt_left = 0  # how many of `pending` are the call's prompt
         self.saved: list | None = None  # the cache's checkpoint before the last proposal
@@ -43,9 +53,11 @@ class ModelDrafter:
         self.timed = 0  # passes time_pass has run
 
     def start(self, context: list[int]) -> None:
-        keep = align_cache(self.model, self.cache, self.cached, context[:-1])
+        keep = align_cache(self.model, self.cache, self.cached, context[:-1], self.prompt_snapshot)
         self.pending = context[keep:]
         self.prompt_left = len(self.pending) - 1
+        if not self.prompt_left:
+            self.prompt_snapshot = snapshot(self.cache, self.cached)
 
     @property
     def behind(self) -> int:
@@ -59,6 +71,7 @@ class ModelDrafter:
         start = time.perf_counter()
         if self.prompt_left:
             self._feed(self.prompt_left)
+            self.prompt_snapshot = snapshot(self.cache, self.cached)
         prompt_s = time.perf_counter() - start
         first = self.proposals == 0
         self.proposals += 1
