@@ -201,6 +201,20 @@ def restore(cache: list, saved: list) -> None:
             c.state = _hold(state)
 
 
+def state_of(cache: list) -> list:
+    """Every layer's whole state, as views (see _hold), before a pass that is built but
+    may never run: `set_state` takes that pass back out unrun. (A trim would only move the
+    offsets: the pass's writes would stay in the arrays, and be computed when next read.)
+    Drop it before the pass runs: while its views live, the pass copies each layer's
+    arrays instead of writing into them."""
+    return [_hold(c.state) for c in layers(cache)]
+
+
+def set_state(cache: list, states: list) -> None:
+    for c, state in zip(layers(cache), states, strict=True):
+        c.state = state
+
+
 def _hold(state):
     """The state with each array replaced by a view of it: the cache's own arrays may be
     written in place after this, the views keep what they held."""

@@ -21,9 +21,10 @@ from .caches import (
     checkpoint,
     make_cache,
     rewind,
+    set_state,
     snapshot,
+    state_of,
     sync_cache,
-    trim,
     trims_exactly,
 )
 from .drafters import CostProbe, Drafter, LookupDrafter, ModelDrafter, model_drafter
@@ -350,27 +351,25 @@ def _decode(
     text = _Text(target.tokenizer)
     key, last = mx.random.key(seed), ids[-1]
     decode_start, prompt_s = time.perf_counter(), 0.0
-    # A plain round queues the next plain pass before it reads its own token (as mlx-lm's
-    # generate_step does), so the device computes one while Python handles the other
-    # (bench/plain_queue.py). Where the next round drafts instead, that pass is trimmed
-    # away, but its work still runs ahead of the draft's: so the bet is taken only in a
-    # run of plain rounds, where the next is likely plain too, and only by caches that
-    # trim exactly.
+    # While Python handles a plain round's token, the device computes the next plain pass
+    # (as mlx-lm's generate_step does: bench/plain_queue.py). A plain round builds that
+    # pass before it reads its own token, but runs it only once the next round is planned
+    # plain: where the next round drafts, the pass is taken back out of the cache unrun
+    # (a trim would leave its writes in the arrays, computed when next read: a whole
+    # target pass lost at every switch to drafting). Only caches that trim exactly
+    # pipeline: the others checkpoint and rewind around every pass.
     pipeline = trims_exactly(cache)
-    queued = None  # (logits, probs, token) of a plain pass over `last`, queued
-    was_plain = False  # the round before this one was plain
+    queued = None  # (logits, probs, token) of a running plain pass over `last`
+    plan = policy.plan(max_tokens)
+    # Never draft past max_tokens: a fully accepted round emits g + 1 tokens.
+    asked = min(plan.gamma, max_tokens - 1)
 
-    while stats.tokens < max_tokens:
+    while True:
         key, round_key = mx.random.split(key)
+        _, next_key = mx.random.split(key)  # the round_key of the next round
         t0 = time.perf_counter()
-        plan = policy.plan(max_tokens - stats.tokens)
-        # Never draft past max_tokens: a fully accepted round emits g + 1 tokens.
-        asked = min(plan.gamma, max_tokens - stats.tokens - 1)
-        proposal = None
+        proposal = ahead = None
         if asked > 0:
-            if queued is not None:  # the bet on a plain round lost: drop its pass
-                trim(cache, 1)
-                queued = None
             draft_key, round_key = mx.random.split(round_key)
             proposal = plan.drafter.propose(asked, draft_key, draw, plan.go_on)
             mx.eval(proposal.tokens, proposal.q)
@@ -381,22 +380,16 @@ def _decode(
             x = mx.concatenate([mx.array([last], mx.uint32), proposal.tokens])
             logits = target.module(x[None], cache=cache)[0]
             n, token, probs = verify(logits, proposal.q, proposal.tokens, round_key)
+            mx.eval(n, token)  # the one host sync of the round
         else:
             if queued is None:
                 queued = _plain_pass(target, cache, draw, mx.array([last], mx.uint32), round_key)
-            logits, probs, token = queued
-            queued, n = None, 0
-            if pipeline and was_plain and stats.tokens + 1 < max_tokens:
-                _, next_key = mx.random.split(key)
-                queued = _plain_pass(target, cache, draw, token, next_key)
-        # The one host sync of the round. Only what was computed before the queued pass:
-        # an array made now would be computed after it, and the sync would wait for both.
-        if proposal is None:
-            mx.eval(token)
-        else:
-            mx.eval(n, token)
+            (logits, probs, token), queued, n = queued, None, 0
+            if pipeline and stats.tokens + 1 < max_tokens:
+                before = state_of(cache)
+                ahead = _plain_pass(target, cache, draw, token, next_key, run=False)
+            mx.eval(token)  # the sync: only this pass, not the one built after it
         n, token = int(n), token.item()
-        was_plain = proposal is None
         t2 = time.perf_counter()
         drafts = proposal.tokens.tolist() if proposal is not None else []
         rerun = rewind(target, cache, saved, [last, *drafts[:n]], len(drafts) - n)
@@ -414,6 +407,20 @@ def _decode(
         stats.add_round(done)
         policy.observe(done)
         last = token
+        left = max_tokens - stats.tokens - len(emitted)
+        more = left > 0 and not any(t in text.eos for t in emitted)
+        if more:
+            plan = policy.plan(left)
+            asked = min(plan.gamma, left - 1)
+        if ahead is not None:
+            if more and asked == 0:
+                del before  # its views would make the pass copy each layer's arrays
+                mx.async_eval(ahead[2])
+                queued = ahead
+            else:
+                set_state(cache, before)
+        elif more and asked == 0 and pipeline:
+            queued = _plain_pass(target, cache, draw, mx.array([last], mx.uint32), next_key)
         for step in text.steps(emitted, n, max_tokens - stats.tokens):
             stats.tokens += 1
             if stats.tokens == 1:
@@ -422,19 +429,22 @@ def _decode(
         stats.decode_time = time.perf_counter() - decode_start - prompt_s
         if text.ended:
             stats.finish_reason, stats.eos = "eos", 1
+        if not more:
             break
-    if queued is not None:  # nothing follows the last token (an EOS, or the limit)
-        trim(cache, 1)
     stats.finish_reason = stats.finish_reason or "length"
     policy.finish()
     gen.text += text.flush()
 
 
-def _plain_pass(target: Model, cache: list, draw, x: mx.array, key: mx.array) -> tuple:
-    """One plain step over token `x` (lazy), queued: (logits, probs, token)."""
+def _plain_pass(
+    target: Model, cache: list, draw, x: mx.array, key: mx.array, run: bool = True
+) -> tuple:
+    """One plain step over token `x`: (logits, probs, token), lazy, and set running unless
+    `run` is False."""
     logits = target.module(x.reshape(1, 1), cache=cache)[0, -1:]
     probs, token = draw(logits, key)
-    mx.async_eval(token)
+    if run:
+        mx.async_eval(token)
     return logits, probs, token
 
 

@@ -171,3 +171,20 @@ def test_a_chunked_kv_cache_is_rewound_to_what_a_fresh_prefill_makes(models):
     caches.prefill(model, fresh, history + round_tokens[:2])
     x = mx.array([[7]], mx.uint32)
     assert mx.allclose(model.module(x, cache=cache), model.module(x, cache=fresh), atol=1e-5)
+
+
+def test_a_pass_built_and_taken_back_out_leaves_the_cache_as_it_was(models):
+    # The engine builds a plain round's successor before it knows the next round is plain;
+    # where it drafts instead, set_state takes the built pass back out before it runs.
+    module = models["target"].module
+    taken, fresh = make_prompt_cache(module), make_prompt_cache(module)
+    prompt = mx.array([[5, 17, 42, 99, 7]], mx.uint32)
+    mx.eval(module(prompt, cache=taken), module(prompt, cache=fresh))
+    before = caches.state_of(taken)
+    module(mx.array([[3]], mx.uint32), cache=taken)  # built, never evaluated
+    caches.set_state(taken, before)
+    assert taken[0].offset == fresh[0].offset == 5
+    verify = mx.array([[11, 12, 13]], mx.uint32)
+    np.testing.assert_array_equal(
+        np.array(module(verify, cache=taken)), np.array(module(verify, cache=fresh))
+    )
