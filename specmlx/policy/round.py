@@ -29,7 +29,7 @@ class Round:
     asked: int  # drafts asked for, after the engine's cap
     drafted: int  # drafts made (fewer than asked where go_on ended the proposal)
     accepted: int
-    draft_s: float  # planning and drafting, less any of the prompt the draft took
+    draft_s: float  # drafting, less any of the prompt the draft took
     verify_s: float  # the target's pass and the accept/reject
     # Rewinding caches that cannot be trimmed (a pass over the kept tokens again, in the
     # target or the draft), or 0 where nothing was run again.
