@@ -1,8 +1,9 @@
 """Does queueing the next plain pass (as mlx-lm's generate_step does) pay on this backend?
 
-The target alone decodes the same prompt with each plain round queueing the next pass
-before it syncs on its own token (what specmlx does in a run of plain rounds) and
-without, interleaved, medians of decode tok/s. The tokens must agree.
+The target alone decodes the same prompt with each plain round building the next pass
+before it syncs on its own token and running it as soon as the next round is planned
+plain (what specmlx's engine does), and without, interleaved, medians of decode tok/s.
+The tokens must agree.
 
     python bench/plain_queue.py [--model DIR] [--repeat 6] [--tokens 64]
 """
