@@ -178,7 +178,7 @@ def test_bad_operands_raise():
 
 def test_unsupported_calls_fall_back_to_mlx():
     x = mx.random.normal((3, 128))
-    for bits in (2, 3, 6):
+    for bits in (2, 3, 5):  # (6 under float32 x: tests/test_native_int8.py)
         w, s, b = quantized(16, 128, bits=bits)
         assert not native.supports(x, w, s, b, 64, bits)
         ref = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=bits)
@@ -246,7 +246,7 @@ def test_patch_model_keeps_outputs(quantized_tiny):
 @needs_native
 def test_patch_model_skips_other_layers():
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64))
-    nn.quantize(model, group_size=64, bits=6)
+    nn.quantize(model, group_size=64, bits=3)
     assert native.patch_model(model) == 0
     embed = nn.QuantizedEmbedding(100, 64, group_size=64, bits=4)
     assert native.patch_model(embed) == 1

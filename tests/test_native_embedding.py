@@ -1,5 +1,5 @@
 """The native quantized-embedding lookup: mx.dequantize's bits over the gathered rows, for
-4 and 8 bits and every scale type, and a model's lookups go through it."""
+4, 6 and 8 bits and every scale type, and a model's lookups go through it."""
 
 import mlx.core as mx
 import numpy as np
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
 @pytest.mark.parametrize("group_size", [32, 64])
 def test_rows_equal_mlxs_dequantize(bits, dtype, group_size):

@@ -1,5 +1,6 @@
-"""The native kernel's int8-activation path, for 4-bit layers and 8-bit ones (embeddings,
-heads): what it computes, independence of batch and threads, and the mode switch."""
+"""The native kernel's int8-activation path, for 4-bit layers and 8- or 6-bit ones
+(embeddings, heads, mixed recipes): what it computes, independence of batch and threads,
+and the mode switch."""
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.skipif(
     not native.available(), reason=f"native kernel not available: {native.reason()}"
 )
 GROUP_SIZES = [32, 64, 128]
-BITS = [4, 8]
+BITS = [4, 6, 8]
 
 
 def quantized(n, k, group_size=64, bits=4, dtype=mx.float32, seed=0):
@@ -75,12 +76,12 @@ def test_int8_is_the_product_with_quantized_x(m, group_size, bits, isas):
 
 def identity(k, group_size, bits):
     """Weights that dequantize exactly to the k x k identity: code 1 on the diagonal,
-    scales 1, biases 0, in MLX's packing (codes little-endian within each uint32)."""
+    scales 1, biases 0, in MLX's packing (each row one little-endian bit stream of codes)."""
     codes = np.eye(k, dtype=np.uint8)
-    if bits == 4:
-        codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    stream = np.unpackbits(codes[..., None], axis=-1, bitorder="little")[..., :bits]
+    packed = np.packbits(stream.reshape(k, k * bits), axis=-1, bitorder="little")
     groups = (k, k // group_size)
-    return mx.array(codes.view(np.uint32)), mx.ones(groups), mx.zeros(groups)
+    return mx.array(packed.view(np.uint32)), mx.ones(groups), mx.zeros(groups)
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -190,6 +191,21 @@ def test_each_mode_is_selectable(bits, isas):
         native.set_activations("int4")
 
 
+def test_six_bit_products_run_on_int8_x_only(isas):
+    # the float32-x tiles read 4 and 8 bits: under float32 x a 6-bit product is MLX's, and
+    # the native op refuses to be built rather than compute with the wrong tiles
+    w, s, b = quantized(48, 512, bits=6)
+    x = mx.random.normal((3, 512))
+    native.set_activations("float32")
+    assert not native.supports(x, w, s, b, 64, 6)
+    with pytest.raises(ValueError, match="6-bit weights take int8 activations"):
+        native._ext.quantized_matmul(x, w, s, b, 64, 6)
+    ref = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=6)
+    assert mx.array_equal(native.quantized_matmul(x, w, s, b, 64, 6), ref).item()
+    native.set_activations("int8")
+    assert native.supports(x, w, s, b, 64, 6)
+
+
 def test_env_var_chooses_the_mode(monkeypatch):
     monkeypatch.setenv(native.ENV_ACTIVATIONS, "int8")
     assert native._env_activations() == ("int8", "")
@@ -207,19 +223,22 @@ def test_a_bad_env_var_stops_model_preparation(monkeypatch):
         native.patch_model(nn.QuantizedLinear(128, 16))
 
 
-@pytest.fixture(scope="module")
-def int4_pair(model_dirs, tmp_path_factory):
+@pytest.fixture(scope="module", params=[8, 6], ids=["8-bit head", "6-bit head"])
+def int4_pair(request, model_dirs, tmp_path_factory):
     """The tiny qwen2 target and its perturbed draft in INT4 g32 (K = 64: one partial
-    chunk per row), loaded onto the native kernel."""
+    chunk per row) with an 8-bit (specmlx quantize's default) or 6-bit embedding and head,
+    loaded onto the native kernel."""
     root = tmp_path_factory.mktemp("int8-activations")
-    quantize(model_dirs["target"], root / "target", group_size=32, dtype="float32")
-    quantize(model_dirs["perturbed"], root / "draft", group_size=32, dtype="float32")
+    for name, out in (("target", "target"), ("perturbed", "draft")):
+        quantize(
+            model_dirs[name], root / out, group_size=32, embed_bits=request.param, dtype="float32"
+        )
     return specmlx.load(root / "target"), specmlx.load(root / "draft")
 
 
 def test_speculative_greedy_equals_the_target_alone(int4_pair, isas):
     # verify passes run k rows, plain steps one: with rows independent, the tokens agree
-    # (the 8-bit head too: the tiny models keep it at 8 bits, as specmlx quantize does)
+    # (the 8- or 6-bit head too)
     target, draft = int4_pair
     for isa in isas:
         native._ext.set_isa(isa)

@@ -3,15 +3,17 @@ model to use them.
 
 MLX's CPU `quantized_matmul` is a scalar single-threaded loop on x86 Linux. specmlx ships
 a C++ MLX primitive (specmlx/cpu/_native, see its README) that computes the same
-x @ dequantize(w)^T for 4- and 8-bit affine weights (8 bits: the embeddings and output
-heads of specmlx-quantized checkpoints) with AVX-512/AVX2 and a thread pool. It is
+x @ dequantize(w)^T for 4-, 6- and 8-bit affine weights (8 or 6 bits: the embeddings and
+output heads of specmlx-quantized checkpoints, 6 the heavier layers of mlx-lm's mixed
+recipes) with AVX-512/AVX2 and a thread pool. It is
 optional: when it is not built, was built for another mlx release, or the call is not one
 it handles (other bits or modes, a GPU stream), everything falls back to
 `mx.quantized_matmul`.
 
-Its matmuls (4- and 8-bit) take x either as float32 or quantized to int8 per 32-block for
+Its 4- and 8-bit matmuls take x either as float32 or quantized to int8 per 32-block for
 integer dot products (`set_activations`, SPECMLX_ACTIVATIONS; the kernel README has the
-choice and its figures).
+choice and its figures); its 6-bit ones take int8 x only, and MLX's kernel runs them under
+float32 x.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from ..errors import SpecmlxError
 NATIVE_DIR = Path(__file__).parent / "_native"
 BUILD_INFO = "_ext_build.json"
 GROUP_SIZES = (32, 64, 128)
-BITS = (4, 8)
+BITS = (4, 6, 8)  # 6 bits on int8 activations only: the float32-x tiles read 4 and 8
 FLOAT_TYPES = (mx.float32, mx.bfloat16, mx.float16)
 ACTIVATIONS = ("int8", "float32")
 ENV_ACTIVATIONS = "SPECMLX_ACTIVATIONS"
@@ -141,8 +143,8 @@ def set_threads(n: int) -> None:
 
 
 def activations() -> str:
-    """What the kernel's matmuls, 4- and 8-bit, multiply: 'int8' (x quantized per
-    32-block) or 'float32' x."""
+    """What the kernel's 4- and 8-bit matmuls multiply: 'int8' (x quantized per 32-block)
+    or 'float32' x. Its 6-bit matmuls always take int8 x."""
     if _ext is None or not hasattr(_ext, "activations"):
         return "float32"
     return _ext.activations()
@@ -226,6 +228,7 @@ def supports(
     return (
         _ext is not None
         and bits in BITS
+        and (bits != 6 or activations() == "int8")
         and mode == "affine"
         and transpose
         and group_size in GROUP_SIZES
@@ -361,7 +364,7 @@ class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
         if (
             rows is not None
             and (self.lookup_dtype or scales.dtype) == mx.float32
-            and self.bits in (4, 8)
+            and self.bits in BITS
             and self.mode == "affine"
             and x.dtype in (mx.int32, mx.uint32)
             and mx.default_device() == mx.cpu
@@ -613,6 +616,7 @@ def patch_projections(module: nn.Module) -> int:
 def _qualifies(layer: nn.Module) -> bool:
     return (
         layer.bits in BITS
+        and (layer.bits != 6 or activations() == "int8")
         and getattr(layer, "mode", "affine") == "affine"
         and layer.group_size in GROUP_SIZES
         and layer.get("biases") is not None
@@ -667,8 +671,9 @@ def keep_stored_halves(module: nn.Module, stored: dict[str, mx.array]) -> int:
 
 
 def patch_model(module: nn.Module) -> int:
-    """Route the model's 4/8-bit affine QuantizedLinear / QuantizedEmbedding.as_linear layers
-    through the native kernel; returns how many layers were patched (0 when unavailable).
+    """Route the model's 4- and 8-bit affine QuantizedLinear / QuantizedEmbedding.as_linear
+    layers, and its 6-bit ones under int8 x, through the native kernel; returns how many
+    layers were patched (0 when unavailable).
 
     Layers keep their parameters and class ancestry (only __class__ changes to a subclass),
     and every call still checks it runs on a CPU stream, so a patched model stays usable

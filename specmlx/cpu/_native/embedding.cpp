@@ -30,15 +30,25 @@ struct RowsJob {
 
 // One row: plain scalar float code (the baseline ISA has no FMA to contract it into), so
 // each value is round(round(q * s) + b) as MLX's separate multiply and add give it.
+// MLX packs each row as one little-endian bit stream of codes: code k in bits
+// k * bits .. k * bits + bits - 1 (at 6 bits, four codes in three bytes).
+inline uint32_t code_at(const uint8_t* row, int k, int bits) {
+  const int bit = k * bits, at = bit / 8, shift = bit % 8;
+  uint32_t v = uint32_t(row[at]) >> shift;
+  if (shift + bits > 8) {
+    v |= uint32_t(row[at + 1]) << (8 - shift);
+  }
+  return v & ((1u << bits) - 1);
+}
+
 void dequantize_row(const RowsJob& j, int64_t row, float* y) {
-  const int per_word = 32 / j.bits, groups = j.K / j.group_size;
-  const uint32_t mask = (1u << j.bits) - 1;
-  const uint32_t* words = j.w + row * (j.K / per_word);
+  const int groups = j.K / j.group_size;
+  const uint8_t* codes = reinterpret_cast<const uint8_t*>(j.w) + row * (size_t(j.K) * j.bits / 8);
   for (int g = 0; g < groups; ++g) {
     const float s = scale_at(j.scales, size_t(row) * groups + g, j.stype);
     const float b = scale_at(j.biases, size_t(row) * groups + g, j.stype);
     for (int k = g * j.group_size; k < (g + 1) * j.group_size; ++k) {
-      const float q = float((words[k / per_word] >> ((k % per_word) * j.bits)) & mask);
+      const float q = float(code_at(codes, k, j.bits));
       const float scaled = q * s;
       y[k] = scaled + b;
     }
@@ -114,8 +124,8 @@ mx::array quantized_rows(
   if (ids.dtype() != mx::int32 && ids.dtype() != mx::uint32) {
     throw std::invalid_argument("[specmlx] quantized rows take int32 or uint32 ids");
   }
-  if (bits != 4 && bits != 8) {
-    throw std::invalid_argument("[specmlx] quantized rows take 4 or 8 bits");
+  if (bits != 4 && bits != 6 && bits != 8) {
+    throw std::invalid_argument("[specmlx] quantized rows take 4, 6 or 8 bits");
   }
   const bool floats = scales.dtype() == biases.dtype() &&
       (scales.dtype() == mx::float32 || scales.dtype() == mx::float16 || scales.dtype() == mx::bfloat16);

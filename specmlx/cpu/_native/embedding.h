@@ -9,7 +9,7 @@ namespace specmlx {
 namespace mx = mlx::core;
 
 // ids: integer array (any shape); w (V, K * bits / 32) uint32, scales and biases (V, K /
-// group_size) of one float type: MLX's affine layout, 4 or 8 bits. Returns the float32
+// group_size) of one float type: MLX's affine layout, 4, 6 or 8 bits. Returns the float32
 // rows (ids.shape..., K), each value scale * q + bias in float32, the scale and bias
 // widened exactly first: the bits of mx.dequantize over the gathered rows with their
 // scales and biases cast to float32 (a quantized embedding's lookup).

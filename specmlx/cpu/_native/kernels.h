@@ -127,7 +127,7 @@ int q8_row_groups(int K, int group_size);  // ldg
 // rows quantized with it.
 void quantize_row_q8(const float* x, int K, int group_size, int bits, Isa isa, int8_t* q, float* d, float* s);
 
-// Output rows [n0, n1) for all M rows of the quantized x; 4 or 8 bits.
+// Output rows [n0, n1) for all M rows of the quantized x; 4, 6 or 8 bits.
 void qmm_rows_q8(Isa isa, const QmmJob& job, int n0, int n1);
 
 // A gated MLP's activation: out[i] = act(g[i]) * u[i] for i < n (gate.cpp); out may be g or u.

@@ -99,7 +99,14 @@ Isa q8_isa(Isa isa) {
 // Scalar: k order, one lane of 8 codes at a time, as the vector tiles sum them.
 constexpr int kScalarMaxRows = 4;
 
+// Code k of a row: 8 bits, byte k; 4 bits, a nibble (low first); 6 bits, bits 6k .. 6k + 5
+// of the row read as one little-endian bit stream (MLX packs four codes in three bytes).
 inline int code_at(const uint8_t* w, int k, int bits) {
+  if (bits == 6) {
+    const int bit = 6 * k, at = bit / 8, shift = bit % 8;
+    const int v = shift <= 2 ? w[at] >> shift : (w[at] >> shift) | (w[at + 1] << (8 - shift));
+    return v & 63;
+  }
   return bits == 8 ? w[k] : (w[k / 2] >> (4 * (k & 1))) & 15;
 }
 
@@ -129,8 +136,33 @@ void tile_q8_scalar(const QmmJob& j, int n0, int n1, int m0, int mt) {
   }
 }
 
+// 6 bits: the codes of a chunk (48 bytes, 64 codes) widened to one byte each, in k order,
+// so that the 8-bit tile takes them as its own. Each 128-bit lane takes its 12 bytes
+// (three dwords), each dword then the 3 bytes of its 4 codes, and each code moves up to its
+// byte. AVX-512 F/BW only (vpermb and vpmultishiftqb would need VBMI).
+SPECMLX_VNNI512 inline __attribute__((always_inline)) __m512i widen6_512(__m512i b) {
+  const __m512i dwords = _mm512_setr_epi32(0, 1, 2, 2, 3, 4, 5, 5, 6, 7, 8, 8, 9, 10, 11, 11);
+  const __m512i bytes =
+      _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1));
+  const __m512i w = _mm512_shuffle_epi8(_mm512_permutexvar_epi32(dwords, b), bytes);
+  constexpr int kOrAnd = 0xF8;  // ternary logic: a | (b & c)
+  __m512i r = _mm512_and_si512(w, _mm512_set1_epi32(0x3F));
+  r = _mm512_ternarylogic_epi32(r, _mm512_slli_epi32(w, 2), _mm512_set1_epi32(0x3F00), kOrAnd);
+  r = _mm512_ternarylogic_epi32(r, _mm512_slli_epi32(w, 4), _mm512_set1_epi32(0x3F0000), kOrAnd);
+  return _mm512_ternarylogic_epi32(r, _mm512_slli_epi32(w, 6), _mm512_set1_epi32(0x3F000000), kOrAnd);
+}
+
+template <int BITS>
+SPECMLX_VNNI512 inline __attribute__((always_inline)) __m512i codes_512(__m512i loaded) {
+  if constexpr (BITS == 6) {
+    return widen6_512(loaded);
+  } else {
+    return loaded;
+  }
+}
+
 // ---------------------------------------------------------------------------------------
-// AVX-512 VNNI, 8 bits: two output rows a tile. A chunk is 64 bytes, 64 codes (1-2
+// AVX-512 VNNI, 8 bits (and 6, widened to 8 as they load): two output rows a tile. A chunk is 64 bytes, 64 codes (1-2
 // groups); per row of x and output row one vpdpbusd leaves 16 int32 lanes of 4-code sums,
 // a 128-bit quarter of them being half an x block. (4 bits take the four-row tile below.)
 // The two output rows' lanes are then folded into one register (unpack low/high and add,
@@ -191,16 +223,18 @@ SPECMLX_VNNI512 inline __attribute__((always_inline)) void chunk_512(
   }
 }
 
-template <int MT, int GS, ScaleType ST>
+template <int MT, int GS, int BITS, ScaleType ST>
 SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n0, int n1, int m0) {
-  constexpr int kCodes = 64, kBytes = 64, kGroups = std::max(1, kCodes / GS), kQC = kCodes / 4;
+  constexpr int kCodes = 64, kBytes = kCodes * BITS / 8, kGroups = std::max(1, kCodes / GS), kQC = kCodes / 4;
   // A pair of chunks takes its scales in one load per row: 2 * kCodes / GS groups (4 at
   // most, GS = 32), or the one group both chunks lie in.
   constexpr int kPairGroups = std::max(1, 2 * kCodes / GS);
-  const int bytes = j.K, groups = j.K / GS;
+  const int bytes = j.K * BITS / 8, groups = j.K / GS;
   const int chunks = (j.K + kCodes - 1) / kCodes;
-  const int tail = bytes - (chunks - 1) * kBytes;  // bytes in the last chunk, 16..64
-  const int full_chunks = tail == kBytes ? chunks : chunks - 1;
+  const int tail = bytes - (chunks - 1) * kBytes;  // bytes in the last chunk
+  // A full load takes 64 bytes: a 6-bit chunk's 48 and 16 of the next, so a row's last
+  // 6-bit chunk is always loaded masked (the matrix's last row ends there).
+  const int full_chunks = tail == 64 ? chunks : chunks - 1;
   const uint8_t* w0 = reinterpret_cast<const uint8_t*>(j.w) + size_t(n0) * bytes;
   const uint8_t* w1 = reinterpret_cast<const uint8_t*>(j.w) + size_t(n1) * bytes;
   const size_t s0 = size_t(n0) * groups, s1 = size_t(n1) * groups;
@@ -221,22 +255,22 @@ SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n0, int n1, int m0) {
     const __m512 r1 = _mm512_castps256_ps512(halves8_512<ST>(j.scales, s1 + g0, pair_valid));
     for (int h = 0; h < 2; ++h) {
       prefetch_streams<kBytes>(w0, w1, c + h);
-      const __m512i b0 = _mm512_loadu_si512(w0 + (c + h) * kBytes);
-      const __m512i b1 = _mm512_loadu_si512(w1 + (c + h) * kBytes);
+      const __m512i b0 = codes_512<BITS>(_mm512_loadu_si512(w0 + (c + h) * kBytes));
+      const __m512i b1 = codes_512<BITS>(_mm512_loadu_si512(w1 + (c + h) * kBytes));
       const __m512 sc = _mm512_permutex2var_ps(r0, h == 0 ? first : second, r1);
       chunk_512<MT>(acc, b0, b1, sc, xq + (c + h) * kCodes, j.ldq, xd + (c + h) * kCodes / kQ8Block, j.ldd);
     }
   }
   // A last odd chunk, and a partial one (masked loads: they stream from DRAM more slowly,
   // so only there).
-  const __mmask64 tail_mask = tail == kBytes ? ~__mmask64(0) : (__mmask64(1) << tail) - 1;
+  const __mmask64 tail_mask = tail == 64 ? ~__mmask64(0) : (__mmask64(1) << tail) - 1;
   for (; c < chunks; ++c) {
     prefetch_streams<kBytes>(w0, w1, c);
     const bool full = c < full_chunks;
     const uint8_t* p0 = w0 + c * kBytes;
     const uint8_t* p1 = w1 + c * kBytes;
-    const __m512i b0 = full ? _mm512_loadu_si512(p0) : _mm512_maskz_loadu_epi8(tail_mask, p0);
-    const __m512i b1 = full ? _mm512_loadu_si512(p1) : _mm512_maskz_loadu_epi8(tail_mask, p1);
+    const __m512i b0 = codes_512<BITS>(full ? _mm512_loadu_si512(p0) : _mm512_maskz_loadu_epi8(tail_mask, p0));
+    const __m512i b1 = codes_512<BITS>(full ? _mm512_loadu_si512(p1) : _mm512_maskz_loadu_epi8(tail_mask, p1));
     const int g0 = c * kCodes / GS, count = std::min(kGroups, groups - g0);
     const __mmask8 valid = __mmask8((1u << count) - 1);
     const __m512 sc = _mm512_permutex2var_ps(
@@ -443,10 +477,28 @@ SPECMLX_AVX2_Q8 inline __m256i load_chunk32(const uint8_t* p, bool full) {
   return full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)) : _mm256_zextsi128_si256(low);
 }
 
-// ST, the scales' type, a template parameter: see halves8_512.
+// 6 bits: a chunk's 24 bytes (32 codes) widened to one byte a code in k order, as in
+// widen6_512, each 128-bit lane from its 12 bytes. The two loads read 4 bytes past the
+// chunk, so the row's last chunk (`last`) is copied out first: the matrix's last row ends there.
+SPECMLX_AVX2_Q8 inline __attribute__((always_inline)) __m256i widen6_256(const uint8_t* p, bool last) {
+  alignas(32) uint8_t copy[32] = {};
+  if (last) {
+    std::copy_n(p, 24, copy);
+    p = copy;
+  }
+  const __m256i b = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(p + 12), reinterpret_cast<const __m128i*>(p));
+  const __m128i lane = _mm_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1);
+  const __m256i w = _mm256_shuffle_epi8(b, _mm256_setr_m128i(lane, lane));
+  __m256i r = _mm256_and_si256(w, _mm256_set1_epi32(0x3F));
+  r = _mm256_or_si256(r, _mm256_and_si256(_mm256_slli_epi32(w, 2), _mm256_set1_epi32(0x3F00)));
+  r = _mm256_or_si256(r, _mm256_and_si256(_mm256_slli_epi32(w, 4), _mm256_set1_epi32(0x3F0000)));
+  return _mm256_or_si256(r, _mm256_and_si256(_mm256_slli_epi32(w, 6), _mm256_set1_epi32(0x3F000000)));
+}
+
+// ST, the scales' type, a template parameter: see halves8_512. 6 bits run as 8 once widened.
 template <int MT, int GS, int BITS, ScaleType ST>
 SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n0, int n1, int m0) {
-  constexpr int kCodes = 256 / BITS, kBytes = 32;
+  constexpr int kCodes = BITS == 4 ? 64 : 32, kBytes = kCodes * BITS / 8;
   const int bytes = j.K * BITS / 8, groups = j.K / GS;
   const int chunks = (j.K + kCodes - 1) / kCodes;
   const bool full_tail = bytes - (chunks - 1) * kBytes == kBytes;  // else 16 bytes
@@ -468,10 +520,16 @@ SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n0, int n1, int m0) {
     if (c % 2 == 0) {  // a cache line is two chunks
       prefetch_streams<2 * kBytes>(w0, w1, c / 2);
     }
-    const __m256i b0 = load_chunk32(w0 + c * kBytes, full);
-    const __m256i b1 = load_chunk32(w1 + c * kBytes, full);
-    // Two registers of codes per row: 4 bits, the low and the high nibbles; 8 bits, the
-    // chunk's first and last 16 codes widened to int16.
+    __m256i b0, b1;
+    if constexpr (BITS == 6) {  // K is a multiple of 32 (of a group): every chunk is full
+      b0 = widen6_256(w0 + c * kBytes, c + 1 == chunks);
+      b1 = widen6_256(w1 + c * kBytes, c + 1 == chunks);
+    } else {
+      b0 = load_chunk32(w0 + c * kBytes, full);
+      b1 = load_chunk32(w1 + c * kBytes, full);
+    }
+    // Two registers of codes per row: 4 bits, the low and the high nibbles; 8 (and 6)
+    // bits, the chunk's first and last 16 codes widened to int16.
     __m256i lo0, hi0, lo1, hi1;
     if constexpr (BITS == 4) {
       lo0 = _mm256_and_si256(b0, low4);
@@ -485,7 +543,7 @@ SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n0, int n1, int m0) {
       hi1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(b1, 1));
     }
     const int g0 = c * kCodes / GS, count = std::min(std::max(1, kCodes / GS), groups - g0);
-    // 8 bits: one group per chunk, so lane_scales256<64> (one scale for all lanes) fits
+    // 8 and 6 bits: one group per chunk, so lane_scales256<64> (one scale for all lanes) fits
     const __m256 sc0 = lane_scales256<BITS == 4 ? GS : 64>(j.scales, s0 + g0, ST, count);
     const __m256 sc1 = lane_scales256<BITS == 4 ? GS : 64>(j.scales, s1 + g0, ST, count);
     #pragma GCC unroll 16
@@ -535,11 +593,11 @@ SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n0, int n1, int m0) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Tables of instantiations: [bits 4/8][group size 32/64/128][MT - 1], each entry picking
+// Tables of instantiations: [bits 4/6/8][group size 32/64/128][MT - 1], each entry picking
 // the tile for the job's scale type (a template parameter of the tiles).
-template <int MT, int GS>
+template <int MT, int GS, int BITS>
 void run_vnni512(const QmmJob& j, int n0, int n1, int m0) {
-  with_scale_type(j.stype, [&](auto st) { tile_q8_vnni512<MT, GS, st.value>(j, n0, n1, m0); });
+  with_scale_type(j.stype, [&](auto st) { tile_q8_vnni512<MT, GS, BITS, st.value>(j, n0, n1, m0); });
 }
 template <int MT, int GS>
 void run_quad(const QmmJob& j, const int (&n)[4], int m0) {
@@ -550,20 +608,21 @@ void run_avx2(const QmmJob& j, int n0, int n1, int m0) {
   with_scale_type(j.stype, [&](auto st) { tile_q8_avx2<MT, GS, BITS, st.value>(j, n0, n1, m0); });
 }
 
-template <int GS, int... MT>
+template <int GS, int BITS, int... MT>
 constexpr std::array<TileFn, sizeof...(MT)> vnni512_tiles(std::integer_sequence<int, MT...>) {
-  return {&run_vnni512<MT + 1, GS>...};
+  return {&run_vnni512<MT + 1, GS, BITS>...};
 }
 template <int GS, int BITS, int... MT>
 constexpr std::array<TileFn, sizeof...(MT)> avx2_tiles(std::integer_sequence<int, MT...>) {
   return {&run_avx2<MT + 1, GS, BITS>...};
 }
 
+template <int BITS>
 TileFn pick_vnni512(int group_size, int mt) {
   using Seq = std::make_integer_sequence<int, kVnniMaxRows>;
-  static constexpr auto g32 = vnni512_tiles<32>(Seq{});
-  static constexpr auto g64 = vnni512_tiles<64>(Seq{});
-  static constexpr auto g128 = vnni512_tiles<128>(Seq{});
+  static constexpr auto g32 = vnni512_tiles<32, BITS>(Seq{});
+  static constexpr auto g64 = vnni512_tiles<64, BITS>(Seq{});
+  static constexpr auto g128 = vnni512_tiles<128, BITS>(Seq{});
   return (group_size == 32 ? g32 : group_size == 64 ? g64 : g128)[mt - 1];
 }
 
@@ -720,7 +779,7 @@ int q8_row_groups(int K, int group_size) {
 }
 
 void quantize_row_q8(const float* x, int K, int group_size, int bits, Isa isa, int8_t* q, float* d, float* s) {
-  const int chunk = bits == 8 ? 1 : q8_chunk(isa);  // 8-bit codes, and so q, are in k order
+  const int chunk = bits == 4 ? q8_chunk(isa) : 1;  // 8- and 6-bit codes, and so q, are in k order
   const Isa kernel = q8_isa(isa);
   std::fill_n(q, q8_row_bytes(K, isa), int8_t(0));
   std::fill_n(d, q8_row_scales(K, isa), 0.0f);
@@ -791,10 +850,10 @@ void qmm_rows_q8(Isa isa, const QmmJob& j, int n0, int n1) {
         const int b = a + part < nb_end ? a + part : a;  // a lone middle row of an odd block
         switch (tiles) {
           case Isa::avx512:
-            pick_vnni512(j.group_size, mt)(j, a, b, m0);
+            (j.bits == 6 ? pick_vnni512<6> : pick_vnni512<8>)(j.group_size, mt)(j, a, b, m0);
             break;
           case Isa::avx2:
-            (j.bits == 4 ? pick_avx2<4> : pick_avx2<8>)(j.group_size, mt)(j, a, b, m0);
+            (j.bits == 4 ? pick_avx2<4> : j.bits == 6 ? pick_avx2<6> : pick_avx2<8>)(j.group_size, mt)(j, a, b, m0);
             break;
           case Isa::scalar:
             tile_q8_scalar(j, a, b, m0, mt);

@@ -29,6 +29,13 @@ constexpr size_t kMinWorkPerThread = size_t(1) << 20;
 std::atomic<Isa> g_isa{detect_isa()};
 std::atomic<Activations> g_activations{Activations::float32};
 
+// Whether a product of these bits runs on int8 x. 6-bit codes have tiles for int8 x only:
+// their ops are refused when built under float32 x (check_call), and one switched to float32
+// after it was built still runs on int8 x rather than on tiles that do not read 6 bits.
+bool uses_int8(int bits) {
+  return bits == 6 || g_activations.load(std::memory_order_relaxed) == Activations::int8;
+}
+
 bool is_float(mx::Dtype t) {
   return t == mx::float32 || t == mx::bfloat16 || t == mx::float16;
 }
@@ -226,7 +233,7 @@ void run_matmul(const MatmulCall& c) {
   float* y = c.out_type == mx::float32 ? static_cast<float*>(c.out) : scratch(y_buf, y_cap, y_elems);
   QmmJob job{
       nullptr, c.a.w, c.a.scales, c.a.biases, c.stype, y, c.M, c.N, c.K, c.group_size, c.bits, row_stride(c.K)};
-  const bool q8 = g_activations.load(std::memory_order_relaxed) == Activations::int8;
+  const bool q8 = uses_int8(c.bits);
   prepare_x(c, isa, q8, job);
   QmmJob up = job;
   if (gated) {
@@ -262,7 +269,7 @@ void run_stacked(const MatmulCall& c, std::vector<MatmulProduct>& products) {
   thread_local std::vector<std::unique_ptr<float[]>> y_bufs;
   thread_local std::vector<size_t> y_caps;
   const Isa isa = g_isa.load(std::memory_order_relaxed);
-  const bool q8 = g_activations.load(std::memory_order_relaxed) == Activations::int8;
+  const bool q8 = uses_int8(c.bits);
   const size_t P = products.size();
   y_bufs.resize(std::max(y_bufs.size(), P));
   y_caps.resize(std::max(y_caps.size(), P), 0);
@@ -434,7 +441,7 @@ void check_weights(const mx::array& w, const mx::array& scales, const mx::array&
   if (w.dtype() != mx::uint32 || w.ndim() != 2) {
     throw std::invalid_argument("[specmlx] w must be a 2-D uint32 array of packed codes");
   }
-  const int N = w.shape(0), K = w.shape(1) * (32 / bits);
+  const int N = w.shape(0), K = w.shape(1) * 32 / bits;
   const mx::Shape sshape{N, K / group_size};
   if (scales.shape() != sshape || biases.shape() != sshape || !is_float(scales.dtype()) ||
       biases.dtype() != scales.dtype()) {
@@ -456,8 +463,11 @@ mx::Stream check_call(const mx::array& x, const std::vector<mx::array>& weights,
   if (group_size != 32 && group_size != 64 && group_size != 128) {
     throw std::invalid_argument("[specmlx] group_size must be 32, 64 or 128");
   }
-  if (bits != 4 && bits != 8) {
-    throw std::invalid_argument("[specmlx] bits must be 4 or 8");
+  if (bits != 4 && bits != 6 && bits != 8) {
+    throw std::invalid_argument("[specmlx] bits must be 4, 6 or 8");
+  }
+  if (bits == 6 && g_activations.load(std::memory_order_relaxed) != Activations::int8) {
+    throw std::invalid_argument("[specmlx] 6-bit weights take int8 activations only (set_activations('int8'))");
   }
   for (size_t i = 0; i < weights.size(); i += 3) {
     check_weights(weights[i], weights[i + 1], weights[i + 2], group_size, bits);
@@ -465,7 +475,7 @@ mx::Stream check_call(const mx::array& x, const std::vector<mx::array>& weights,
       throw std::invalid_argument("[specmlx] the matrices of one call must share K and the scales' type");
     }
   }
-  const int K = weights[0].shape(1) * (32 / bits);
+  const int K = weights[0].shape(1) * 32 / bits;
   if (x.ndim() < 1 || x.shape(-1) != K || !is_float(x.dtype())) {
     throw std::invalid_argument(
         "[specmlx] x must be float32/bfloat16/float16 with last dimension " + std::to_string(K));
