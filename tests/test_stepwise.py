@@ -151,18 +151,18 @@ def test_greedy_speculation_equals_the_target_alone(arch, tiny_pair):
     assert rewinds > 0  # rejected drafts were rolled back and their accepted part re-run
 
 
-def quantize_int4(source, dest):
+def quantize_int4(source, dest, bits: int = 4):
     """An INT4 (group 32) copy of a tiny model, every layer mlx-lm can quantize quantized:
-    what the native kernel runs."""
+    what the native kernel runs (`bits`: another width for every layer)."""
     shutil.copytree(source, dest)
     config = json.loads((dest / "config.json").read_text())
     model_class, args_class = model_classes(config)
     module = model_class(args_class.from_dict(config))
     module.load_weights(str(source / "model.safetensors"))
-    nn.quantize(module, group_size=32, bits=4)
+    nn.quantize(module, group_size=32, bits=bits)
     weights = dict(tree_flatten(module.parameters()))
     mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
-    config["quantization"] = {"group_size": 32, "bits": 4}
+    config["quantization"] = {"group_size": 32, "bits": bits}
     (dest / "config.json").write_text(json.dumps(config, indent=2))
     return dest
 
@@ -186,3 +186,23 @@ def test_int4_models_keep_int8_activations_and_speculate_exactly(
     for gamma in (1, 3, "auto"):
         gen = specmlx.generate(target, ids, draft=draft, max_tokens=N, num_draft=gamma).run()
         assert gen.tokens == alone, f"gamma {gamma}"
+
+
+def test_six_bit_layers_stay_on_mlx_where_passes_are_not_exact(
+    tiny_pair, chunked, int8_activations, tmp_path
+):
+    # Chunked Mamba-2 passes are not bit-exact, so the load puts the kernel on float32 x;
+    # 6-bit layers have int8-x tiles only, so they must be left to MLX's kernel, or they
+    # would carry int8 x's rounding into the target's passes.
+    models = []
+    for name, source in zip(("target", "draft"), tiny_pair("mamba2"), strict=True):
+        models.append(specmlx.load(quantize_int4(source, tmp_path / name, bits=6)))
+        models[-1].tokenizer.eos_token_ids = set()
+    target, draft = models
+    assert native.activations() == "float32"
+    six = [m for m in target.module.modules() if getattr(m, "bits", None) == 6]
+    assert six and not any(isinstance(m, native.NativeQuantizedLinear) for m in six)
+    ids = target.tokenizer.encode(PROMPT)
+    alone = specmlx.generate(target, ids, max_tokens=N, num_draft=0).run().tokens
+    gen = specmlx.generate(target, ids, draft=draft, max_tokens=N, num_draft=3).run()
+    assert gen.tokens == alone

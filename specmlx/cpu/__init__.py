@@ -94,6 +94,8 @@ def prepare(
         raise SpecmlxError(
             f"unknown CPU weights mode {cpu_weights!r}; use one of {', '.join(CPU_WEIGHTS)}"
         )
+    import mlx.core as mx
+
     from .. import compiled
     from . import attention, blocks, fp32, layers, native
 
@@ -102,9 +104,11 @@ def prepare(
         # Before the native patch, which then takes only the 8-bit layers left packed.
         keep = (8,) if use_native and native.available() else ()
         fp32.expand_quantized(module, keep_bits=keep)
-    if use_native and native.patch_model(module):
+    if use_native and native.available() and mx.default_device() == mx.cpu:
+        # Before the patch: 6-bit layers run on the kernel only under int8 x.
         name = getattr(module, "model_type", type(module).__name__)
         native.keep_exact(module, name, windows_exact=attention.windows_exact(module))
+    if use_native and native.patch_model(module):
         if stored:
             native.keep_stored_halves(module, stored)
         native.patch_mlps(module)
