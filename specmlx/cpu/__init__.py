@@ -111,6 +111,7 @@ def prepare(
     if use_native and native.patch_model(module):
         if stored:
             native.keep_stored_halves(module, stored)
+        native.pack_layers(module)  # after the scales' type is final
         native.patch_mlps(module)
         native.patch_projections(module)
     if use_native:

@@ -134,6 +134,7 @@ def _fused_call(block: nn.Module, x: mx.array, mask: object, cache: object) -> m
         attn.scale,
         mask is not None,
         reuse,
+        native.packed_of(layers),
     )
     cache.offset += x.shape[1]
     return out

@@ -252,10 +252,12 @@ def quantized_matmul(
     group_size: int = 64,
     bits: int = 4,
     mode: str = "affine",
+    packed: mx.array | None = None,
 ) -> mx.array:
-    """x @ dequantize(w, scales, biases).T: the native kernel where it applies, else MLX's."""
+    """x @ dequantize(w, scales, biases).T: the native kernel where it applies, else MLX's.
+    `packed`: pack_layers' layout of the same matrix (see there)."""
     if supports(x, w, scales, biases, group_size, bits, mode):
-        return _ext.quantized_matmul(x, w, scales, biases, group_size, bits)
+        return _ext.quantized_matmul(x, w, scales, biases, group_size, bits, None, packed)
     return mx.quantized_matmul(
         x,
         w,
@@ -323,6 +325,7 @@ def gated_matmul(
             gate.group_size,
             gate.bits,
             activation,
+            packed_of([gate, up]),
         )
     return GATE_ACTIVATIONS[activation](gate(x)) * up(x)
 
@@ -330,7 +333,12 @@ def gated_matmul(
 class NativeQuantizedLinear(nn.QuantizedLinear):
     """A QuantizedLinear whose matmul goes through `quantized_matmul` above; on the kernel
     a float32 product takes its bias in the same op (the same one rounding as y + bias,
-    without the three graph nodes MLX's add of a half bias makes)."""
+    without the three graph nodes MLX's add of a half bias makes).
+
+    `packed_tiles` (set by pack_layers, a plain attribute, not a parameter): the weights in
+    the layout the four-row AVX-512 tile streams, or None."""
+
+    packed_tiles: mx.array | None = None
 
     def __call__(self, x: mx.array) -> mx.array:
         w, scales, biases = self["weight"], self["scales"], self.get("biases")
@@ -341,8 +349,12 @@ class NativeQuantizedLinear(nn.QuantizedLinear):
             and mx.float32 in (x.dtype, scales.dtype)
             and supports(x, w, scales, biases, self.group_size, self.bits, self.mode)
         ):
-            return _ext.quantized_matmul(x, w, scales, biases, self.group_size, self.bits, bias)
-        y = quantized_matmul(x, w, scales, biases, self.group_size, self.bits, self.mode)
+            return _ext.quantized_matmul(
+                x, w, scales, biases, self.group_size, self.bits, bias, self.packed_tiles
+            )
+        y = quantized_matmul(
+            x, w, scales, biases, self.group_size, self.bits, self.mode, self.packed_tiles
+        )
         if bias is not None:
             y = y + bias
         return y
@@ -547,7 +559,8 @@ class _Stack:
         parts = ("weight", "scales", "biases")
         weights = [layer[part] for layer in self.layers for part in parts]
         biases = [layer["bias"] for layer in self.layers] if biased else []
-        self.outs = _ext.stacked_matmul(x, weights, biases, q.group_size, q.bits)
+        packed = packed_of(self.layers)
+        self.outs = _ext.stacked_matmul(x, weights, biases, q.group_size, q.bits, packed)
         self.x = x
         return self.outs[0]
 
@@ -668,6 +681,46 @@ def keep_stored_halves(module: nn.Module, stored: dict[str, mx.array]) -> int:
         if isinstance(layer, NativeQuantizedEmbedding) and layer["scales"].dtype != policy:
             layer.lookup_dtype = policy
     return len(restored)
+
+
+ENV_PACK = "SPECMLX_PACK"
+
+
+def packed_of(layers: list[nn.Module]) -> list[mx.array]:
+    """The layers' packed tiles, one each, for an op over all of them; [] unless all have them."""
+    packs = [getattr(layer, "packed_tiles", None) for layer in layers]
+    return packs if all(p is not None for p in packs) else []
+
+
+def pack_layers(module: nn.Module) -> int:
+    """Lay each kernel-patched 4-bit linear layer's weights out as the four-row AVX-512 VNNI
+    tile reads them: per tile of four rows, its codes, scales and biases in one stream
+    (separately, the twelve streams of a tile's codes, scales and biases read ~15% slower;
+    bench/results/README.md, round 25). Only where those tiles run (int8 x on AVX-512 VNNI),
+    unless SPECMLX_PACK=0. The packed copy is private memory beside the mapped weights,
+    which the other paths (float32 x, AMX prefill, MLX's fallback) still read. The values
+    are the same, so each product's result is too, bitwise. Returns how many were packed."""
+    if (
+        _ext is None
+        or not hasattr(_ext, "pack_quad")
+        or os.environ.get(ENV_PACK, "1") == "0"
+        or not _ext.reads_packed()
+        or activations() != "int8"
+        or mx.default_device() != mx.cpu
+    ):
+        return 0
+    layers = [
+        layer
+        for layer in module.modules()
+        if isinstance(layer, NativeQuantizedLinear)
+        and layer.bits == 4
+        and layer["weight"].shape[0] % 4 == 0
+        and layer.get("biases") is not None
+    ]
+    for layer in layers:
+        packed = _ext.pack_quad(layer["weight"], layer["scales"], layer["biases"], layer.group_size)
+        object.__setattr__(layer, "packed_tiles", packed)  # not a parameter: never saved
+    return len(layers)
 
 
 def patch_model(module: nn.Module) -> int:

@@ -37,8 +37,9 @@ NB_MODULE(_ext, m) {
          const specmlx::mx::array& biases,
          int group_size,
          int bits,
-         const std::optional<specmlx::mx::array>& bias) {
-        return specmlx::quantized_matmul(x, w, scales, biases, group_size, bits, bias);
+         const std::optional<specmlx::mx::array>& bias,
+         const std::optional<specmlx::mx::array>& packed) {
+        return specmlx::quantized_matmul(x, w, scales, biases, group_size, bits, bias, packed);
       },
       "x"_a,
       "w"_a,
@@ -47,20 +48,26 @@ NB_MODULE(_ext, m) {
       "group_size"_a = 64,
       "bits"_a = 4,
       "bias"_a = nb::none(),
+      "packed"_a = nb::none(),
       "x @ dequantize(w, scales, biases).T (+ bias, (N,) of the scales' type, on a float32 "
-      "product) for 4/8-bit affine weights on the default CPU stream.");
+      "product) for 4/6/8-bit affine weights on the default CPU stream; packed: "
+      "pack_quad(w, scales, biases), read in their place where the tiles take it.");
   m.def(
       "stacked_matmul",
       [](const specmlx::mx::array& x,
          const std::vector<specmlx::mx::array>& weights,
          const std::vector<specmlx::mx::array>& biases,
          int group_size,
-         int bits) { return specmlx::stacked_matmul(x, weights, biases, group_size, bits); },
+         int bits,
+         const std::vector<specmlx::mx::array>& packed) {
+        return specmlx::stacked_matmul(x, weights, biases, group_size, bits, packed);
+      },
       "x"_a,
       "weights"_a,
       "biases"_a,
       "group_size"_a = 64,
       "bits"_a = 4,
+      "packed"_a = std::vector<specmlx::mx::array>{},
       "[x @ dequantize(w_i).T (+ bias_i) for each (w_i, scales_i, biases_i) of weights], one "
       "op on the default CPU stream: every matrix shares K and the scales' type; biases: one "
       "per matrix (a float32 product) or none.");
@@ -75,9 +82,10 @@ NB_MODULE(_ext, m) {
          const specmlx::mx::array& biases_up,
          int group_size,
          int bits,
-         const std::string& activation) {
+         const std::string& activation,
+         const std::vector<specmlx::mx::array>& packed) {
         return specmlx::gated_matmul(
-            x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, group_size, bits, activation);
+            x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, group_size, bits, activation, packed);
       },
       "x"_a,
       "w_gate"_a,
@@ -89,6 +97,7 @@ NB_MODULE(_ext, m) {
       "group_size"_a = 64,
       "bits"_a = 4,
       "activation"_a = "silu",
+      "packed"_a = std::vector<specmlx::mx::array>{},
       "act(x @ dequantize(w_gate).T) * (x @ dequantize(w_up).T), act 'silu' or 'gelu_approx', "
       "x quantized once, on the default CPU stream.");
   m.def(
@@ -178,11 +187,12 @@ NB_MODULE(_ext, m) {
          float rope_scale,
          float scale,
          bool causal,
-         bool reuse) {
+         bool reuse,
+         const std::vector<specmlx::mx::array>& packed) {
         auto outs = specmlx::decoder_layer(
             x, norm_in, eps_in, qkv, qkv_bias, o, norm_post, eps_post, gate_up, down, k_cache, v_cache, group_size,
             bits, activation, n_heads, offset, rope_dims, rope_traditional, rope_base, rope_scale, scale, causal,
-            reuse);
+            reuse, packed);
         return std::make_tuple(outs[0], outs[1], outs[2]);
       },
       "x"_a,
@@ -209,6 +219,7 @@ NB_MODULE(_ext, m) {
       "scale"_a,
       "causal"_a,
       "reuse"_a = false,
+      "packed"_a = std::vector<specmlx::mx::array>{},
       "One pre-norm decoder layer's step on a plain KV cache (x + o(attention(rms_norm(x))), "
       "then h + down(act(gate(m)) * up(m)) with m = rms_norm(h)) as one op. Returns (out, "
       "k_cache, v_cache), each bit as the chain of the layer's native ops.");
@@ -291,6 +302,16 @@ NB_MODULE(_ext, m) {
       "name"_a,
       "'int8': quantize x per 32-block for integer dot products; 'float32': x as is.");
   m.def("q8_kernel", &specmlx::q8_kernel, "The int8-activation tiles the ISA runs.");
+  m.def(
+      "pack_quad",
+      &specmlx::pack_quad_matrix,
+      "w"_a,
+      "scales"_a,
+      "biases"_a,
+      "group_size"_a = 64,
+      "A 4-bit matrix (N a multiple of 4) laid out for the four-row AVX-512 tile: each tile's "
+      "codes, scales and biases in one stream (uint8, computed now).");
+  m.def("reads_packed", &specmlx::reads_packed, "Whether the int8 tiles the ISA runs now read pack_quad's layout.");
   m.def("amx_available", &specmlx::amx_available, "Whether this CPU and OS let the kernel use AMX.");
   m.def("set_amx", &specmlx::set_amx, "on"_a, "Let int8 passes over many rows use AMX (default), or not (tests).");
 }

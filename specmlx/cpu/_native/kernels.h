@@ -97,6 +97,9 @@ struct QmmJob {
   const int8_t* xb = nullptr;   // per 16 rows of x and 32-block: the block's x tile
   const float* xdt = nullptr;   // per 16 rows and block: the 16 rows' scales
   const float* xst = nullptr;   // per 16 rows and group (ldg of them): the 16 rows' sums
+  // the matrix as pack_quad laid it out, or null: read instead of w, scales and biases by
+  // the four-row AVX-512 tile (4 bits), which then takes four adjacent rows a tile
+  const uint8_t* packed = nullptr;
 };
 
 // Codes x is quantized in: each 32-block of a row gets scale amax/127 and codes in -127..127.
@@ -126,6 +129,15 @@ int q8_row_groups(int K, int group_size);  // ldg
 // weights' bits. A row's codes depend on that row alone, so its result never depends on the
 // rows quantized with it.
 void quantize_row_q8(const float* x, int K, int group_size, int bits, Isa isa, int8_t* q, float* d, float* s);
+
+// A 4-bit matrix (N a multiple of 4) laid out for the four-row AVX-512 tile: per tile of
+// rows 4t..4t+3, each 128-code chunk's codes (64 bytes a row, zero-padded) and then its
+// scales (row-major, per_chunk = max(1, 128 / group_size) a row), and after the last chunk
+// the biases, 16 per four groups (row r's group g + q at 4q + r), zero past the last group;
+// scales and biases in their own type. One tile's bytes, and the whole matrix's layout:
+size_t packed_tile_bytes(int K, int group_size, ScaleType t);
+void pack_quad(const uint8_t* w, const uint8_t* scales, const uint8_t* biases, int N, int K, int group_size,
+               ScaleType t, uint8_t* out);
 
 // Output rows [n0, n1) for all M rows of the quantized x; 4, 6 or 8 bits.
 void qmm_rows_q8(Isa isa, const QmmJob& job, int n0, int n1);

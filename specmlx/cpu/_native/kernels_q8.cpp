@@ -70,6 +70,7 @@ using TileFn = void (*)(const QmmJob&, int n0, int n1, int m0);
 // streams either way; asking ahead as well made the tiles 1.2-1.3x faster at M = 8 and
 // left M = 1 about even (bench/results/row_pairing.md).
 constexpr int kPrefetchBytes = 4 << 10;
+constexpr int kPackedPrefetchBytes = 4 << 10;  // one stream per tile: its own distance
 
 // Prefetch one chunk's worth of both streams, kPrefetchBytes ahead. Forced inline: GCC takes
 // a function of prefetches alone for one without effects, and dropped a call to it made
@@ -354,9 +355,47 @@ SPECMLX_VNNI512 inline __m512i quad_lanes() {
   }
 }
 
-template <int MT, int GS, ScaleType ST>
+// Packed (PACKED: j.packed, laid out by pack_quad: rows n[r] = 4t + r), each chunk's codes
+// and scales and then the biases come from one stream, in the order the tile reads them:
+// the same values, so the same result, bitwise.
+template <ScaleType ST>
+constexpr int scale_bytes() {
+  return ST == ScaleType::f32 ? 4 : 2;
+}
+
+// n values (4, 8 or 16) of a packed side block as floats in lanes 0..n-1, exactly.
+template <ScaleType ST, int N>
+SPECMLX_VNNI512 inline __attribute__((always_inline)) __m512 packed_values(const uint8_t* p) {
+  constexpr __mmask16 kLanes = __mmask16((1u << N) - 1);
+  if constexpr (ST == ScaleType::f32) {
+    return _mm512_maskz_loadu_ps(kLanes, p);
+  } else {
+    const __m256i h = _mm256_maskz_loadu_epi16(kLanes, p);
+    if constexpr (ST == ScaleType::f16) {
+      return _mm512_cvtph_ps(h);
+    } else {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+  }
+}
+
+// Lane 4q + r: row r's scale for block q's group, out of a packed chunk's (row r, group i)
+// values at r * kGroups + i.
+template <int GS>
+SPECMLX_VNNI512 inline __m512i packed_scale_lanes() {
+  if constexpr (GS == 32) {
+    return _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  } else if constexpr (GS == 64) {
+    return _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 1, 3, 5, 7, 1, 3, 5, 7);
+  } else {
+    return _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+  }
+}
+
+template <int MT, int GS, ScaleType ST, bool PACKED>
 SPECMLX_VNNI512 void tile4_q8_vnni512(const QmmJob& j, const int (&n)[4], int m0) {
   constexpr int kCodes = 128, kBytes = 64, kGroups = std::max(1, kCodes / GS);
+  constexpr int kChunkBytes = 4 * kBytes + 4 * kGroups * scale_bytes<ST>();  // packed
   const int bytes = j.K / 2, groups = j.K / GS;
   const int chunks = (j.K + kCodes - 1) / kCodes;
   const int tail = bytes - (chunks - 1) * kBytes;  // bytes in the last chunk, 16..64
@@ -366,6 +405,7 @@ SPECMLX_VNNI512 void tile4_q8_vnni512(const QmmJob& j, const int (&n)[4], int m0
     w[r] = reinterpret_cast<const uint8_t*>(j.w) + size_t(n[r]) * bytes;
     s[r] = size_t(n[r]) * groups;
   }
+  const uint8_t* pk = PACKED ? j.packed + size_t(n[0] / 4) * packed_tile_bytes(j.K, GS, ST) : nullptr;
   const int8_t* xq = j.xq + size_t(m0) * j.ldq;
   const float* xd = j.xd + size_t(m0) * j.ldd;
   const __m512i low4 = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
@@ -383,15 +423,29 @@ SPECMLX_VNNI512 void tile4_q8_vnni512(const QmmJob& j, const int (&n)[4], int m0
     __m512i lo[4], hi[4];
     #pragma GCC unroll 4
     for (int r = 0; r < 4; ++r) {
-      const uint8_t* p = w[r] + c * kBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
-      const __m512i b = full ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(tail_mask, p);
+      __m512i b;
+      if constexpr (PACKED) {  // codes zero-padded to whole chunks
+        const uint8_t* p = pk + size_t(c) * kChunkBytes + r * kBytes;
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPackedPrefetchBytes, _MM_HINT_T0);
+        b = _mm512_loadu_si512(p);
+      } else {
+        const uint8_t* p = w[r] + c * kBytes;
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
+        b = full ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(tail_mask, p);
+      }
       lo[r] = _mm512_and_si512(b, low4);
       hi[r] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
     }
     const int g0 = c * kCodes / GS;
-    const __mmask8 valid = __mmask8((1u << std::min(kGroups, groups - g0)) - 1);
-    const __m512 sc = _mm512_permutexvar_ps(scale_lanes, rows4_512<ST>(j.scales, s, g0, valid));
+    __m512 sc;
+    if constexpr (PACKED) {
+      const uint8_t* p = pk + size_t(c) * kChunkBytes + 4 * kBytes;
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kPackedPrefetchBytes, _MM_HINT_T0);
+      sc = _mm512_permutexvar_ps(packed_scale_lanes<GS>(), packed_values<ST, 4 * kGroups>(p));
+    } else {
+      const __mmask8 valid = __mmask8((1u << std::min(kGroups, groups - g0)) - 1);
+      sc = _mm512_permutexvar_ps(scale_lanes, rows4_512<ST>(j.scales, s, g0, valid));
+    }
     #pragma GCC unroll 16
     for (int m = 0; m < MT; ++m) {
       const int8_t* qm = xq + size_t(m) * j.ldq + c * kCodes;
@@ -412,8 +466,13 @@ SPECMLX_VNNI512 void tile4_q8_vnni512(const QmmJob& j, const int (&n)[4], int m0
   // The bias term, four groups a step: lane 4q + r takes row r's group g + q.
   const __m512i bias_lanes = quad_lanes<32>();
   for (int g = 0; g < groups; g += 4) {
-    const __mmask8 valid = __mmask8((1u << std::min(4, groups - g)) - 1);
-    const __m512 bv = _mm512_permutexvar_ps(bias_lanes, rows4_512<ST>(j.biases, s, g, valid));
+    __m512 bv;
+    if constexpr (PACKED) {  // lane 4q + r already: row r's group g + q, zero past the last
+      bv = packed_values<ST, 16>(pk + size_t(chunks) * kChunkBytes + size_t(g / 4) * 16 * scale_bytes<ST>());
+    } else {
+      const __mmask8 valid = __mmask8((1u << std::min(4, groups - g)) - 1);
+      bv = _mm512_permutexvar_ps(bias_lanes, rows4_512<ST>(j.biases, s, g, valid));
+    }
     #pragma GCC unroll 16
     for (int m = 0; m < MT; ++m) {
       const __m128 xs = _mm_loadu_ps(j.xs + size_t(m0 + m) * j.ldg + g);
@@ -599,9 +658,9 @@ template <int MT, int GS, int BITS>
 void run_vnni512(const QmmJob& j, int n0, int n1, int m0) {
   with_scale_type(j.stype, [&](auto st) { tile_q8_vnni512<MT, GS, BITS, st.value>(j, n0, n1, m0); });
 }
-template <int MT, int GS>
+template <int MT, int GS, bool PACKED>
 void run_quad(const QmmJob& j, const int (&n)[4], int m0) {
-  with_scale_type(j.stype, [&](auto st) { tile4_q8_vnni512<MT, GS, st.value>(j, n, m0); });
+  with_scale_type(j.stype, [&](auto st) { tile4_q8_vnni512<MT, GS, st.value, PACKED>(j, n, m0); });
 }
 template <int MT, int GS, int BITS>
 void run_avx2(const QmmJob& j, int n0, int n1, int m0) {
@@ -627,15 +686,16 @@ TileFn pick_vnni512(int group_size, int mt) {
 }
 
 using QuadFn = void (*)(const QmmJob&, const int (&)[4], int m0);
-template <int GS, int... MT>
+template <int GS, bool PACKED, int... MT>
 constexpr std::array<QuadFn, sizeof...(MT)> quad_tiles(std::integer_sequence<int, MT...>) {
-  return {&run_quad<MT + 1, GS>...};
+  return {&run_quad<MT + 1, GS, PACKED>...};
 }
+template <bool PACKED>
 QuadFn pick_quad(int group_size, int mt) {
   using Seq = std::make_integer_sequence<int, kQuadMaxRows>;
-  static constexpr auto g32 = quad_tiles<32>(Seq{});
-  static constexpr auto g64 = quad_tiles<64>(Seq{});
-  static constexpr auto g128 = quad_tiles<128>(Seq{});
+  static constexpr auto g32 = quad_tiles<32, PACKED>(Seq{});
+  static constexpr auto g64 = quad_tiles<64, PACKED>(Seq{});
+  static constexpr auto g128 = quad_tiles<128, PACKED>(Seq{});
   return (group_size == 32 ? g32 : group_size == 64 ? g64 : g128)[mt - 1];
 }
 
@@ -805,6 +865,40 @@ void quantize_row_q8(const float* x, int K, int group_size, int bits, Isa isa, i
   }
 }
 
+size_t packed_tile_bytes(int K, int group_size, ScaleType t) {
+  const int chunks = (K + 127) / 128, groups = K / group_size, per_chunk = std::max(1, 128 / group_size);
+  const int e = t == ScaleType::f32 ? 4 : 2;
+  return size_t(chunks) * (256 + 4 * per_chunk * e) + size_t((groups + 3) / 4) * 16 * e;
+}
+
+void pack_quad(const uint8_t* w, const uint8_t* scales, const uint8_t* biases, int N, int K, int group_size,
+               ScaleType t, uint8_t* out) {
+  const int chunks = (K + 127) / 128, groups = K / group_size, per_chunk = std::max(1, 128 / group_size);
+  const int e = t == ScaleType::f32 ? 4 : 2, row_bytes = K / 2;
+  const size_t tile = packed_tile_bytes(K, group_size, t);
+  std::fill_n(out, size_t(N / 4) * tile, uint8_t(0));
+  for (int n0 = 0; n0 + 4 <= N; n0 += 4) {
+    uint8_t* p = out + size_t(n0 / 4) * tile;
+    for (int c = 0; c < chunks; ++c, p += 256 + 4 * per_chunk * e) {
+      const int take = std::min(64, row_bytes - c * 64);
+      for (int r = 0; r < 4; ++r) {
+        std::copy_n(w + size_t(n0 + r) * row_bytes + c * 64, take, p + r * 64);
+        for (int i = 0; i < per_chunk && c * per_chunk + i < groups; ++i) {
+          std::copy_n(scales + (size_t(n0 + r) * groups + c * per_chunk + i) * e, e,
+                      p + 256 + (r * per_chunk + i) * e);
+        }
+      }
+    }
+    for (int g = 0; g < groups; g += 4, p += 16 * e) {
+      for (int q = 0; q < 4 && g + q < groups; ++q) {
+        for (int r = 0; r < 4; ++r) {
+          std::copy_n(biases + (size_t(n0 + r) * groups + g + q) * e, e, p + (4 * q + r) * e);
+        }
+      }
+    }
+  }
+}
+
 void qmm_rows_q8(Isa isa, const QmmJob& j, int n0, int n1) {
   if (j.xb != nullptr) {  // prepare_x_amx laid x out for AMX
     return qmm_rows_amx(j, n0, n1);
@@ -838,13 +932,19 @@ void qmm_rows_q8(Isa isa, const QmmJob& j, int n0, int n1) {
     const int part = (nb_end - nb + out_rows - 1) / out_rows;
     for (int m0 = 0; m0 < j.M; m0 += tile_rows) {
       const int mt = std::min(tile_rows, j.M - m0);
+      if (quad && j.packed != nullptr) {  // tiles of four adjacent rows, one stream each
+        for (int a = nb; a < nb_end; a += 4) {
+          pick_quad<true>(j.group_size, mt)(j, {a, a + 1, a + 2, a + 3}, m0);
+        }
+        continue;
+      }
       for (int a = nb; a < nb + part; ++a) {
         if (quad) {
           int n[4];
           for (int r = 0; r < 4; ++r) {
             n[r] = a + r * part < nb_end ? a + r * part : a;
           }
-          pick_quad(j.group_size, mt)(j, n, m0);
+          pick_quad<false>(j.group_size, mt)(j, n, m0);
           continue;
         }
         const int b = a + part < nb_end ? a + part : a;  // a lone middle row of an odd block

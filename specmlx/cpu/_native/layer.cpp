@@ -26,8 +26,10 @@ namespace {
 constexpr int kX = 0, kNormIn = 1, kNormPost = 2, kQ = 3, kK = 6, kV = 9, kO = 12, kGate = 15, kUp = 18,
               kDown = 21, kKCache = 24, kVCache = 25, kBias = 26;
 
-MatmulWeights weights_at(const std::vector<mx::array>& in, int i) {
-  return {in[i].data<uint32_t>(), in[i + 1].data<void>(), in[i + 2].data<void>()};
+// Matrix (w, scales, biases) at input i, and its packed layout at input p (p < 0: none).
+MatmulWeights weights_at(const std::vector<mx::array>& in, int i, int p) {
+  return {in[i].data<uint32_t>(), in[i + 1].data<void>(), in[i + 2].data<void>(),
+          p < 0 ? nullptr : in[p].data<uint8_t>()};
 }
 
 // A float32 product of row-major float32 x (M rows of K) into out.
@@ -89,14 +91,17 @@ void DecoderLayer::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx
   const auto type_at = [&](int i) { return scale_type(inputs[i + 1].dtype()); };
   const float* norm_in = inputs[kNormIn].data<float>();
   const float* norm_post = inputs[kNormPost].data<float>();
+  // The packed matrices follow the biases, in the order of the triples: matrix m at kPacked + m.
+  const int kPacked = kBias + (s_.biased ? 3 : 0);
+  const auto packed_at = [&](int i) { return s_.packed ? kPacked + (i - kQ) / 3 : -1; };
   std::vector<MatmulProduct> qkv;
   for (int i : {kQ, kK, kV}) {
     const int at = (i - kQ) / 3;
-    qkv.push_back({weights_at(inputs, i), s_.biased ? inputs[kBias + at].data<void>() : nullptr, nullptr,
-                   inputs[i].shape(0)});
+    qkv.push_back({weights_at(inputs, i, packed_at(i)), s_.biased ? inputs[kBias + at].data<void>() : nullptr,
+                   nullptr, inputs[i].shape(0)});
   }
-  const MatmulWeights o = weights_at(inputs, kO), gate = weights_at(inputs, kGate), up = weights_at(inputs, kUp),
-                      down = weights_at(inputs, kDown);
+  const MatmulWeights o = weights_at(inputs, kO, packed_at(kO)), gate = weights_at(inputs, kGate, packed_at(kGate)),
+                      up = weights_at(inputs, kUp, packed_at(kUp)), down = weights_at(inputs, kDown, packed_at(kDown));
   const ScaleType t_qkv = type_at(kQ), t_o = type_at(kO), t_gate = type_at(kGate), t_down = type_at(kDown);
   CachedJob attn{nullptr, nullptr, nullptr, k_out.data<float>(), v_out.data<float>(), nullptr,
                  B, L, Hq, Hkv, kc.shape(2), D, s_.offset,
@@ -166,6 +171,7 @@ std::vector<mx::array> decoder_layer(
     float scale,
     bool causal,
     bool reuse,
+    const std::vector<mx::array>& packed,
     mx::StreamOrDevice s) {
   const auto stream = mx::to_stream(s);
   check(stream.device == mx::Device::cpu, "runs on CPU streams only");
@@ -202,6 +208,14 @@ std::vector<mx::array> decoder_layer(
     check(qkv_bias[i].shape() == mx::Shape{qkv[3 * i].shape(0)} && qkv_bias[i].dtype() == qkv[1].dtype(),
           "a bias must be (N,), of the scales' type");
   }
+  check(packed.empty() || (packed.size() == 7 && bits == 4), "takes 7 packed matrices (4 bits) or none");
+  if (!packed.empty()) {
+    std::vector<mx::array> triples;
+    for (const auto* group : {&qkv, &o, &gate_up, &down}) {
+      triples.insert(triples.end(), group->begin(), group->end());
+    }
+    check_packed(packed, triples, group_size, bits);
+  }
   std::vector<mx::array> inputs{x, row_contiguous(norm_in, stream), row_contiguous(norm_post, stream)};
   for (const auto* group : {&qkv, &o, &gate_up, &down}) {
     for (const auto& a : *group) {
@@ -213,9 +227,13 @@ std::vector<mx::array> decoder_layer(
   for (const auto& a : qkv_bias) {
     inputs.push_back(row_contiguous(a, stream));
   }
+  for (const auto& a : packed) {
+    inputs.push_back(row_contiguous(a, stream));
+  }
   const DecoderLayer::Settings settings{
       eps_in, eps_post, group_size, bits, int(activation == "silu" ? GateAct::silu : GateAct::gelu_approx), n_heads,
-      offset, rope_dims, rope_traditional, rope_base, rope_scale, scale, causal, reuse, !qkv_bias.empty()};
+      offset, rope_dims, rope_traditional, rope_base, rope_scale, scale, causal, reuse, !qkv_bias.empty(),
+      !packed.empty()};
   return mx::array::make_arrays(
       {x.shape(), k_cache.shape(), v_cache.shape()},
       {mx::float32, mx::float32, mx::float32},

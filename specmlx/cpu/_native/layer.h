@@ -22,7 +22,8 @@ namespace mx = mlx::core;
 // the new k_cache, the new v_cache). Each step runs the arithmetic of its own op on the same
 // values, so every output bit equals that of rms_norm, stacked_matmul, cached_attention,
 // quantized_matmul, the add, rms_norm, gated_matmul, quantized_matmul and the add run one
-// after another: one graph node where those are nine.
+// after another: one graph node where those are nine. `packed`: pack_quad's layout of q, k,
+// v, o, gate, up and down (7), or none, as those ops take it.
 std::vector<mx::array> decoder_layer(
     const mx::array& x,
     const mx::array& norm_in,
@@ -48,10 +49,12 @@ std::vector<mx::array> decoder_layer(
     float scale,
     bool causal,
     bool reuse,
+    const std::vector<mx::array>& packed = {},
     mx::StreamOrDevice s = {});
 
 // Inputs: x, norm_in, norm_post, q k v (9), o (3), gate up (6), down (3), k_cache,
-// v_cache, then the q, k and v biases if any. Outputs: out, k_cache, v_cache.
+// v_cache, then the q, k and v biases if any, then the 7 packed matrices if any. Outputs:
+// out, k_cache, v_cache.
 class DecoderLayer : public mx::Primitive {
  public:
   struct Settings {
@@ -61,7 +64,7 @@ class DecoderLayer : public mx::Primitive {
     int n_heads, offset, rope_dims;
     bool rope_traditional;
     float rope_base, rope_scale, scale;
-    bool causal, reuse, biased;
+    bool causal, reuse, biased, packed;
     bool operator==(const Settings&) const = default;
   };
 

@@ -5,6 +5,7 @@
 #include <memory>
 #include <optional>
 #include <stdexcept>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -235,11 +236,13 @@ void run_matmul(const MatmulCall& c) {
       nullptr, c.a.w, c.a.scales, c.a.biases, c.stype, y, c.M, c.N, c.K, c.group_size, c.bits, row_stride(c.K)};
   const bool q8 = uses_int8(c.bits);
   prepare_x(c, isa, q8, job);
+  job.packed = c.a.packed;
   QmmJob up = job;
   if (gated) {
     up.w = c.b.w;
     up.scales = c.b.scales;
     up.biases = c.b.biases;
+    up.packed = c.b.packed;
     up.y = scratch(u_buf, u_cap, y_elems);
   }
   const int n_threads = threads_for(size_t(c.N) * c.K * size_t(c.M + 2) * (gated ? 2 : 1), (c.N + 1) / 2);
@@ -282,7 +285,7 @@ void run_stacked(const MatmulCall& c, std::vector<MatmulProduct>& products) {
   for (size_t i = 0; i < P; ++i) {
     const MatmulProduct& p = products[i];
     QmmJob& j = jobs[i];
-    j.w = p.w.w, j.scales = p.w.scales, j.biases = p.w.biases, j.N = p.N;
+    j.w = p.w.w, j.scales = p.w.scales, j.biases = p.w.biases, j.packed = p.w.packed, j.N = p.N;
     j.y = c.out_type == mx::float32 ? static_cast<float*>(p.out)
                                      : scratch(y_bufs[i], y_caps[i], size_t(c.M) * p.N);
     rows_of[i] = p.N;
@@ -324,15 +327,17 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
     return;
   }
   const int K = x.shape(-1);
-  const auto weights = [&](int i) {
-    return MatmulWeights{inputs[i].data<uint32_t>(), inputs[i + 1].data<void>(), inputs[i + 2].data<void>()};
+  const int matrices = gated_ ? 2 : 1, first_packed = int(inputs.size()) - matrices;
+  const auto weights = [&](int i, int m) {
+    const uint8_t* packed = packed_ ? inputs[first_packed + m].data<uint8_t>() : nullptr;
+    return MatmulWeights{inputs[i].data<uint32_t>(), inputs[i + 1].data<void>(), inputs[i + 2].data<void>(), packed};
   };
   MatmulCall call{
       nullptr,  // x: set in the task, where its layout is known
       x.dtype(),
-      weights(1),
-      gated_ ? weights(4) : MatmulWeights{nullptr, nullptr, nullptr},
-      biased_ ? inputs.back().data<void>() : nullptr,
+      weights(1, 0),
+      gated_ ? weights(4, 1) : MatmulWeights{nullptr, nullptr, nullptr},
+      biased_ ? inputs[1 + 3 * matrices].data<void>() : nullptr,
       act_,
       scale_type(inputs[2].dtype()),
       out.data<void>(),
@@ -362,7 +367,7 @@ void QuantizedMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 bool QuantizedMatmul::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const QuantizedMatmul&>(other);
   return group_size_ == o.group_size_ && bits_ == o.bits_ && gated_ == o.gated_ && biased_ == o.biased_ &&
-      act_ == o.act_;
+      act_ == o.act_ && packed_ == o.packed_;
 }
 
 std::vector<mx::Shape> QuantizedMatmul::output_shapes(const std::vector<mx::array>& inputs) {
@@ -378,8 +383,9 @@ void StackedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<m
   for (int i = 0; i < P; ++i) {
     outputs[i].set_data(mx::allocator::malloc(outputs[i].nbytes()));
     const int at = 1 + 3 * i;
+    const uint8_t* packed = packed_ ? inputs[1 + (biased_ ? 4 : 3) * P + i].data<uint8_t>() : nullptr;
     products.push_back(
-        {MatmulWeights{inputs[at].data<uint32_t>(), inputs[at + 1].data<void>(), inputs[at + 2].data<void>()},
+        {MatmulWeights{inputs[at].data<uint32_t>(), inputs[at + 1].data<void>(), inputs[at + 2].data<void>(), packed},
          biased_ ? inputs[1 + 3 * P + i].data<void>() : nullptr,
          outputs[i].data<void>(),
          inputs[at].shape(0)});
@@ -421,11 +427,11 @@ void StackedMatmul::eval_gpu(const std::vector<mx::array>&, std::vector<mx::arra
 
 bool StackedMatmul::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const StackedMatmul&>(other);
-  return group_size_ == o.group_size_ && bits_ == o.bits_ && biased_ == o.biased_;
+  return group_size_ == o.group_size_ && bits_ == o.bits_ && biased_ == o.biased_ && packed_ == o.packed_;
 }
 
 std::vector<mx::Shape> StackedMatmul::output_shapes(const std::vector<mx::array>& inputs) {
-  const int P = biased_ ? (int(inputs.size()) - 1) / 4 : (int(inputs.size()) - 1) / 3;
+  const int P = (int(inputs.size()) - 1) / (3 + int(biased_) + int(packed_));
   std::vector<mx::Shape> shapes;
   for (int i = 0; i < P; ++i) {
     auto shape = inputs[0].shape();
@@ -483,6 +489,27 @@ mx::Stream check_call(const mx::array& x, const std::vector<mx::array>& weights,
   return stream;
 }
 
+} // namespace
+
+void check_packed(const std::vector<mx::array>& packed, const std::vector<mx::array>& weights, int group_size, int bits) {
+  if (packed.empty()) {
+    return;
+  }
+  if (packed.size() * 3 != weights.size() || bits != 4) {
+    throw std::invalid_argument("[specmlx] packed matrices: one per 4-bit matrix, or none");
+  }
+  for (size_t i = 0; i < packed.size(); ++i) {
+    const mx::array& w = weights[3 * i];
+    const int N = w.shape(0), K = w.shape(1) * 8;
+    const size_t bytes = size_t(N / 4) * packed_tile_bytes(K, group_size, scale_type(weights[3 * i + 1].dtype()));
+    if (packed[i].dtype() != mx::uint8 || packed[i].ndim() != 1 || N % 4 != 0 || size_t(packed[i].size()) != bytes) {
+      throw std::invalid_argument("[specmlx] a packed matrix must be pack_quad's uint8 array for its matrix");
+    }
+  }
+}
+
+namespace {
+
 void check_bias(const mx::array& bias, int N, mx::Dtype scales, mx::Dtype out_type) {
   if (out_type != mx::float32 || bias.shape() != mx::Shape{N} || bias.dtype() != scales) {
     throw std::invalid_argument(
@@ -497,8 +524,10 @@ mx::array qmm_op(
     GateAct act,
     int group_size,
     int bits,
+    const std::vector<mx::array>& packed,
     mx::StreamOrDevice s) {
   const auto stream = check_call(x, weights, group_size, bits, s);
+  check_packed(packed, weights, group_size, bits);
   const mx::array& w = weights[0];
   const int N = w.shape(0);
   if (weights.size() == 6 && weights[3].shape() != w.shape()) {
@@ -517,10 +546,14 @@ mx::array qmm_op(
   if (bias) {
     inputs.push_back(row_contiguous(*bias, stream));
   }
+  for (const auto& a : packed) {
+    inputs.push_back(row_contiguous(a, stream));
+  }
   return mx::array(
       std::move(out_shape),
       out_type,
-      std::make_shared<QuantizedMatmul>(stream, group_size, bits, weights.size() == 6, bias.has_value(), act),
+      std::make_shared<QuantizedMatmul>(
+          stream, group_size, bits, weights.size() == 6, bias.has_value(), act, !packed.empty()),
       std::move(inputs));
 }
 
@@ -534,8 +567,13 @@ mx::array quantized_matmul(
     int group_size,
     int bits,
     const std::optional<mx::array>& bias,
+    const std::optional<mx::array>& packed,
     mx::StreamOrDevice s) {
-  return qmm_op(x, {w, scales, biases}, bias, GateAct::silu, group_size, bits, s);
+  std::vector<mx::array> packs;
+  if (packed) {
+    packs.push_back(*packed);
+  }
+  return qmm_op(x, {w, scales, biases}, bias, GateAct::silu, group_size, bits, packs, s);
 }
 
 mx::array gated_matmul(
@@ -549,12 +587,14 @@ mx::array gated_matmul(
     int group_size,
     int bits,
     const std::string& activation,
+    const std::vector<mx::array>& packed,
     mx::StreamOrDevice s) {
   if (activation != "silu" && activation != "gelu_approx") {
     throw std::invalid_argument("[specmlx] the gated matmul's activation is silu or gelu_approx");
   }
   const GateAct act = activation == "silu" ? GateAct::silu : GateAct::gelu_approx;
-  return qmm_op(x, {w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up}, std::nullopt, act, group_size, bits, s);
+  return qmm_op(
+      x, {w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up}, std::nullopt, act, group_size, bits, packed, s);
 }
 
 std::vector<mx::array> stacked_matmul(
@@ -563,6 +603,7 @@ std::vector<mx::array> stacked_matmul(
     const std::vector<mx::array>& biases,
     int group_size,
     int bits,
+    const std::vector<mx::array>& packed,
     mx::StreamOrDevice s) {
   if (weights.empty() || weights.size() % 3 != 0) {
     throw std::invalid_argument("[specmlx] stacked_matmul takes (w, scales, biases) for each matrix");
@@ -572,6 +613,7 @@ std::vector<mx::array> stacked_matmul(
     throw std::invalid_argument("[specmlx] stacked_matmul takes a bias for every matrix or for none");
   }
   const auto stream = check_call(x, weights, group_size, bits, s);
+  check_packed(packed, weights, group_size, bits);
   const auto out_type = mx::promote_types(x.dtype(), weights[1].dtype());
   std::vector<mx::array> inputs{x};  // as it is: the task gathers a view
   std::vector<mx::Shape> shapes;
@@ -590,11 +632,48 @@ std::vector<mx::array> stacked_matmul(
   for (const auto& bias : biases) {
     inputs.push_back(row_contiguous(bias, stream));
   }
+  for (const auto& a : packed) {
+    inputs.push_back(row_contiguous(a, stream));
+  }
   return mx::array::make_arrays(
       std::move(shapes),
       std::vector<mx::Dtype>(P, out_type),
-      std::make_shared<StackedMatmul>(stream, group_size, bits, !biases.empty()),
+      std::make_shared<StackedMatmul>(stream, group_size, bits, !biases.empty(), !packed.empty()),
       std::move(inputs));
+}
+
+mx::array pack_quad_matrix(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size) {
+  if (group_size != 32 && group_size != 64 && group_size != 128) {
+    throw std::invalid_argument("[specmlx] group_size must be 32, 64 or 128");
+  }
+  check_weights(w, scales, biases, group_size, 4);
+  const int N = w.shape(0), K = w.shape(1) * 8;
+  if (N % 4 != 0) {
+    throw std::invalid_argument("[specmlx] pack_quad takes matrices of a multiple of 4 rows");
+  }
+  const mx::Stream cpu = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> parts{row_contiguous(w, cpu), row_contiguous(scales, cpu), row_contiguous(biases, cpu)};
+  mx::eval(parts);
+  const ScaleType t = scale_type(scales.dtype());
+  const size_t tile = packed_tile_bytes(K, group_size, t), tiles = size_t(N / 4);
+  mx::array out(mx::allocator::malloc(tiles * tile), {int(tiles * tile)}, mx::uint8);
+  const auto* wp = reinterpret_cast<const uint8_t*>(parts[0].data<uint32_t>());
+  const auto* sp = static_cast<const uint8_t*>(parts[1].data<void>());
+  const auto* bp = static_cast<const uint8_t*>(parts[2].data<void>());
+  const size_t groups = size_t(K / group_size), elem = scales.itemsize();
+  auto& pool = ThreadPool::instance();
+  const int n = pool.size();
+  pool.run(n, [&](int i) {  // each thread its share of the tiles
+    const int t0 = int(tiles * i / n), t1 = int(tiles * (i + 1) / n);
+    pack_quad(wp + size_t(4 * t0) * (K / 2), sp + size_t(4 * t0) * groups * elem, bp + size_t(4 * t0) * groups * elem,
+              4 * (t1 - t0), K, group_size, t, out.data<uint8_t>() + size_t(t0) * tile);
+  });
+  return out;
+}
+
+bool reads_packed() {
+  const Isa isa = g_isa.load();
+  return isa == Isa::avx512 && std::string(q8_kernel_name(isa)) == "vnni512";
 }
 
 int threads() {

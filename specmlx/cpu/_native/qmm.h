@@ -18,7 +18,9 @@ namespace mx = mlx::core;
 // x: (..., K) float32/bfloat16/float16; w: (N, K*bits/32) uint32; scales, biases:
 // (N, K/group_size) float32/bfloat16/float16. Returns (..., N) in promote_types(x, scales),
 // like mx.quantized_matmul(..., transpose=True, bits=bits), plus `bias` ((N,), of the
-// scales' type; a float32 product only) if given. CPU streams only.
+// scales' type; a float32 product only) if given. CPU streams only. `packed`: the matrix as
+// pack_quad lays it out, read in its place by the tiles that take it (every op below takes
+// one per matrix, or none).
 mx::array quantized_matmul(
     const mx::array& x,
     const mx::array& w,
@@ -27,6 +29,7 @@ mx::array quantized_matmul(
     int group_size,
     int bits,
     const std::optional<mx::array>& bias = std::nullopt,
+    const std::optional<mx::array>& packed = std::nullopt,
     mx::StreamOrDevice s = {});
 
 // act(x @ dequantize(w_gate)^T) * (x @ dequantize(w_up)^T), act "silu" or "gelu_approx": a
@@ -43,6 +46,7 @@ mx::array gated_matmul(
     int group_size,
     int bits,
     const std::string& activation = "silu",
+    const std::vector<mx::array>& packed = {},
     mx::StreamOrDevice s = {});
 
 // x @ dequantize(w_i)^T (+ bias_i) for several matrices of one K and scale type (a layer's
@@ -55,14 +59,33 @@ std::vector<mx::array> stacked_matmul(
     const std::vector<mx::array>& biases,
     int group_size,
     int bits,
+    const std::vector<mx::array>& packed = {},
     mx::StreamOrDevice s = {});
 
+// A 4-bit matrix's (w, scales, biases), N a multiple of 4, laid out for the four-row
+// AVX-512 tile (pack_quad in kernels.h: each tile's codes, scales and biases one stream),
+// as a 1-D uint8 array, computed now.
+mx::array pack_quad_matrix(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size);
+
+// Whether the int8 tiles the ISA runs now read pack_quad's layout (four-row AVX-512 VNNI).
+bool reads_packed();
+
+// Throws unless packed is empty or holds pack_quad's array for each (w, scales, biases)
+// triple of weights.
+void check_packed(const std::vector<mx::array>& packed, const std::vector<mx::array>& weights, int group_size, int bits);
+
 // Both ops' primitive: inputs x, w, scales, biases; then the up matrix's three for the
-// gated product; then the bias, if any.
+// gated product; then the bias, if any; then the packed matrices, if any.
 class QuantizedMatmul : public mx::UnaryPrimitive {
  public:
-  QuantizedMatmul(mx::Stream stream, int group_size, int bits, bool gated, bool biased, GateAct act)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), gated_(gated), biased_(biased), act_(act) {}
+  QuantizedMatmul(mx::Stream stream, int group_size, int bits, bool gated, bool biased, GateAct act, bool packed)
+      : mx::UnaryPrimitive(stream),
+        group_size_(group_size),
+        bits_(bits),
+        gated_(gated),
+        biased_(biased),
+        act_(act),
+        packed_(packed) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
@@ -79,14 +102,15 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
   bool gated_;
   bool biased_;
   GateAct act_;
+  bool packed_;
 };
 
 // stacked_matmul's primitive: inputs x, then (w, scales, biases) per matrix, then the
-// biases, if any; one output per matrix.
+// biases, if any, then the packed matrices, if any; one output per matrix.
 class StackedMatmul : public mx::Primitive {
  public:
-  StackedMatmul(mx::Stream stream, int group_size, int bits, bool biased)
-      : mx::Primitive(stream), group_size_(group_size), bits_(bits), biased_(biased) {}
+  StackedMatmul(mx::Stream stream, int group_size, int bits, bool biased, bool packed)
+      : mx::Primitive(stream), group_size_(group_size), bits_(bits), biased_(biased), packed_(packed) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -101,6 +125,7 @@ class StackedMatmul : public mx::Primitive {
   int group_size_;
   int bits_;
   bool biased_;
+  bool packed_;
 };
 
 // The tasks behind the ops, for an op that runs them as steps of its own (layer.cpp): x
@@ -109,6 +134,7 @@ struct MatmulWeights {
   const uint32_t* w;
   const void* scales;
   const void* biases;
+  const uint8_t* packed = nullptr;  // pack_quad's layout of the same matrix, or null
 };
 
 struct MatmulCall {

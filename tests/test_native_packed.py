@@ -1,0 +1,87 @@
+"""The packed layout of 4-bit weights (native.pack_layers): the four-row AVX-512 VNNI tile
+streams each tile's codes, scales and biases from one buffer, and every product it gives is
+bitwise the one it gives from the separate arrays."""
+
+import mlx.core as mx
+import pytest
+
+import specmlx
+from specmlx.convert.quantize import quantize
+from specmlx.cpu import native
+
+pytestmark = pytest.mark.skipif(
+    not native.available() or not native._ext.reads_packed(),
+    reason="the packed layout is read by the AVX-512 VNNI tiles only, which this CPU lacks",
+)
+SCALE_TYPES = [mx.float32, mx.float16, mx.bfloat16]
+
+
+def quantized(n, k, group_size, dtype, seed=0):
+    mx.random.seed(seed)
+    w, scales, biases = mx.quantize(mx.random.normal((n, k)), group_size=group_size, bits=4)
+    return w, scales.astype(dtype), biases.astype(dtype)
+
+
+def product(x, w, s, b, group_size, packed=None):
+    out = native._ext.quantized_matmul(x, w, s, b, group_size, 4, None, packed)
+    mx.eval(out)
+    return out
+
+
+@pytest.mark.parametrize("dtype", SCALE_TYPES)
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 20])
+def test_packed_products_equal_the_unpacked_bitwise(m, group_size, dtype, int8_activations):
+    # K = 3 * 64 codes ends in half a 128-code chunk; 520 rows make several ranges a thread
+    for n, k in ((20, 3 * max(group_size, 64)), (520, 1536)):
+        w, s, b = quantized(n, k, group_size, dtype)
+        x = mx.random.normal((m, k), key=mx.random.key(m))
+        packed = native._ext.pack_quad(w, s, b, group_size)
+        assert packed.dtype == mx.uint8
+        unpacked = product(x, w, s, b, group_size)
+        assert mx.array_equal(product(x, w, s, b, group_size, packed), unpacked)
+
+
+def test_packed_gated_and_stacked_products_equal_the_unpacked(int8_activations):
+    gate, up = quantized(256, 512, 64, mx.bfloat16, 1), quantized(256, 512, 64, mx.bfloat16, 2)
+    packs = [native._ext.pack_quad(*gate, 64), native._ext.pack_quad(*up, 64)]
+    x = mx.random.normal((5, 512))
+    gated = [native._ext.gated_matmul(x, *gate, *up, 64, 4, "silu", p) for p in (packs, [])]
+    stacked = [native._ext.stacked_matmul(x, [*gate, *up], [], 64, 4, p) for p in (packs, [])]
+    mx.eval(gated, stacked)
+    assert mx.array_equal(*gated)
+    assert all(mx.array_equal(a, b) for a, b in zip(*stacked, strict=True))
+
+
+def test_a_packed_array_of_another_matrix_is_refused(int8_activations):
+    w, s, b = quantized(64, 512, 64, mx.float16)
+    other = native._ext.pack_quad(*quantized(64, 256, 64, mx.float16), 64)
+    with pytest.raises(ValueError, match="pack_quad's uint8 array"):
+        native._ext.quantized_matmul(mx.zeros((1, 512)), w, s, b, 64, 4, None, other)
+    with pytest.raises(ValueError, match="multiple of 4 rows"):
+        native._ext.pack_quad(*quantized(6, 512, 64, mx.float16), 64)
+
+
+def test_a_loaded_model_is_packed_and_decodes_as_unpacked(
+    model_dirs, tmp_path, int8_activations, monkeypatch
+):
+    # every 4-bit linear layer packed at load; logits of a 9-token pass (two row tiles) and
+    # greedy tokens exactly those of the same model unpacked
+    quantize(model_dirs["target"], tmp_path / "int4", group_size=32, dtype="float32")
+    packed = specmlx.load(tmp_path / "int4")
+    monkeypatch.setenv(native.ENV_PACK, "0")
+    plain = specmlx.load(tmp_path / "int4")
+    count = [
+        sum(getattr(m, "packed_tiles", None) is not None for m in model.module.modules())
+        for model in (packed, plain)
+    ]
+    assert count[0] > 0 and count[1] == 0
+    ids = mx.array([[5, 9, 2, 7, 1, 3, 8, 4, 6]])
+    logits = [model.module(ids) for model in (packed, plain)]
+    mx.eval(logits)
+    assert mx.array_equal(*logits)
+    tokens = [
+        specmlx.generate(model, "def f(x):", max_tokens=16, num_draft=0).run().tokens
+        for model in (packed, plain)
+    ]
+    assert tokens[0] == tokens[1]
