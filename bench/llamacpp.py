@@ -93,7 +93,17 @@ def sdist(version: str) -> Path:
     if not (folder / name).exists():
         log(f"downloading the llama-cpp-python {version} sdist from PyPI into {folder}")
         folder.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+        # --no-binary for this package only: build dependencies may come as wheels (with
+        # :all:, pip would build cmake itself from source to read the sdist's metadata).
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            "llama-cpp-python",
+        ]
         command += ["--dest", str(folder), f"llama-cpp-python=={version}"]
         if subprocess.run(command, stdout=sys.stderr).returncode != 0:
             raise SpecmlxError(
