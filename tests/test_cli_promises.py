@@ -195,7 +195,7 @@ def test_the_quantize_report_names_the_bits_written(bits, model_dirs, home, tmp_
     out = tmp_path / "q"
     run = specmlx("quantize", str(model_dirs["target"]), "-o", str(out), "-b", str(bits), home=home)
     assert run.returncode == 0, run.stderr
-    assert f"wrote {out} (INT{bits} g64, embedding and head INT8" in run.stderr, run.stderr
+    assert f"wrote {out} (INT{bits} g64, embedding and head INT6" in run.stderr, run.stderr
     assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == bits
     assert ("native INT4 kernel" in run.stderr) == (bits == 4), run.stderr
 

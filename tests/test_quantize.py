@@ -144,7 +144,7 @@ def test_specmlx_json_records_source_settings_and_bits_per_weight(model_dirs, tm
     info = json.loads((tmp_path / "q" / "specmlx.json").read_text())
     assert info["source"] == str(model_dirs["target"])
     assert len(info["source_sha256"]) == 64
-    assert (info["bits"], info["group_size"], info["embed_bits"]) == (4, 64, 8)
+    assert (info["bits"], info["group_size"], info["embed_bits"]) == (4, 64, 6)
     assert info["bits_per_weight"] == pytest.approx(summary.bits_per_weight, abs=1e-3)
     assert 4 < info["bits_per_weight"] < 8
     assert info["created_with"].startswith(f"specmlx {specmlx.__version__}")

@@ -41,7 +41,7 @@ def quantize(
     bits: int = typer.Option(4, "--bits", "-b", help="Bits per weight: 2, 3, 4, 6 or 8."),
     group_size: int = typer.Option(64, "--group-size", "-g", help="Weights per scale: 32/64/128."),
     embed_bits: int = typer.Option(
-        8, "--embed-bits", help="Bits for the embedding and output head (16 = unquantized)."
+        6, "--embed-bits", help="Bits for the embedding and output head (16 = unquantized)."
     ),
     dtype: str = typer.Option(
         None,

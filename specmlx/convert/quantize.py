@@ -345,7 +345,7 @@ def quantize(
     out: str | Path,
     bits: int = 4,
     group_size: int = 64,
-    embed_bits: int = 8,
+    embed_bits: int = 6,
     dtype: str | None = None,
     force: bool = False,
     max_shard_bytes: int = MAX_SHARD_BYTES,
@@ -353,7 +353,8 @@ def quantize(
 ) -> Summary:
     """Convert `src` (HF dir, hub id or .gguf) into an MLX quantized directory at `out`.
 
-    `embed_bits` applies to the embedding and output head (16 keeps them unquantized);
+    `embed_bits` applies to the embedding and output head (16 keeps them unquantized; 6,
+    the default, costs +0.1% NLL against 8 bits and reads 3/4 of their bytes);
     `dtype` is that of scales, biases and unquantized tensors (default: the source's
     float16/bfloat16, else float16).
     """

@@ -101,8 +101,10 @@ def prepare(
 
     mode, why = fp32.pick_cpu_weights(module, cpu_weights, backend, use_native)
     if mode == "fp32":
-        # Before the native patch, which then takes only the 8-bit layers left packed.
-        keep = (8,) if use_native and native.available() else ()
+        # Before the native patch, which then takes only the 8-bit layers left packed (and
+        # the 6-bit ones, on int8 x: the only x its 6-bit tiles take).
+        int8 = native.activations() == "int8"
+        keep = ((6, 8) if int8 else (8,)) if use_native and native.available() else ()
         fp32.expand_quantized(module, keep_bits=keep)
     if use_native and native.available() and mx.default_device() == mx.cpu:
         # Before the patch: 6-bit layers run on the kernel only under int8 x.
