@@ -85,3 +85,13 @@ def test_a_loaded_model_is_packed_and_decodes_as_unpacked(
         for model in (packed, plain)
     ]
     assert tokens[0] == tokens[1]
+
+
+def test_a_layer_whose_weights_are_replaced_stops_reading_its_packed_copy(
+    model_dirs, tmp_path, int8_activations
+):
+    quantize(model_dirs["target"], tmp_path / "int4", group_size=32, dtype="float32")
+    model = specmlx.load(tmp_path / "int4")
+    layer = next(m for m in model.module.modules() if getattr(m, "packed_tiles", None) is not None)
+    layer.scales = layer.scales * 2
+    assert layer.packed_tiles is None  # the op then reads the new arrays themselves

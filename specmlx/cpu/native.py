@@ -335,10 +335,19 @@ class NativeQuantizedLinear(nn.QuantizedLinear):
     a float32 product takes its bias in the same op (the same one rounding as y + bias,
     without the three graph nodes MLX's add of a half bias makes).
 
-    `packed_tiles` (set by pack_layers, a plain attribute, not a parameter): the weights in
-    the layout the four-row AVX-512 tile streams, or None."""
+    `packed_tiles`: pack_layers' copy of the weights in the layout the four-row AVX-512
+    tile streams, or None; None too once the weight, scales or biases it was made from are
+    replaced, so a stale copy is never read."""
 
-    packed_tiles: mx.array | None = None
+    _packed: tuple | None = None  # ((weight, scales, biases) packed, the copy): not a parameter
+
+    @property
+    def packed_tiles(self) -> mx.array | None:
+        if self._packed is None:
+            return None
+        (w, s, b), packed = self._packed
+        fresh = self["weight"] is w and self["scales"] is s and self.get("biases") is b
+        return packed if fresh else None
 
     def __call__(self, x: mx.array) -> mx.array:
         w, scales, biases = self["weight"], self["scales"], self.get("biases")
@@ -718,8 +727,9 @@ def pack_layers(module: nn.Module) -> int:
         and layer.get("biases") is not None
     ]
     for layer in layers:
-        packed = _ext.pack_quad(layer["weight"], layer["scales"], layer["biases"], layer.group_size)
-        object.__setattr__(layer, "packed_tiles", packed)  # not a parameter: never saved
+        parts = (layer["weight"], layer["scales"], layer["biases"])
+        packed = _ext.pack_quad(*parts, layer.group_size)
+        object.__setattr__(layer, "_packed", (parts, packed))  # not a parameter: never saved
     return len(layers)
 
 
