@@ -704,7 +704,7 @@ def packed_of(layers: list[nn.Module]) -> list[mx.array]:
 def pack_layers(module: nn.Module) -> int:
     """Lay each kernel-patched 4-bit linear layer's weights out as the four-row AVX-512 VNNI
     tile reads them: per tile of four rows, its codes, scales and biases in one stream
-    (separately, the twelve streams of a tile's codes, scales and biases read ~15% slower;
+    instead of twelve, which the prefetchers follow better (whole decode 1.11-1.18x:
     bench/results/README.md, round 25). Only where those tiles run (int8 x on AVX-512 VNNI),
     unless SPECMLX_PACK=0. The packed copy is private memory beside the mapped weights,
     which the other paths (float32 x, AMX prefill, MLX's fallback) still read. The values

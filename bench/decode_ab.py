@@ -1,0 +1,99 @@
+"""Whole plain decode of builds or models against each other: one process a run, the
+variants alternating (the order reversed every other repeat), so that a change to the
+kernel or to a checkpoint is measured as a user sees it, from load to the last token.
+
+    python bench/decode_ab.py --variant base=- --variant packed=/tmp/var/packed --repeat 7
+    python bench/decode_ab.py --variant h8=-:$M/q15-h8 --variant h6=-:$M/q15-h6
+    python bench/decode_ab.py --variant packed=- --variant plain=- --env plain:SPECMLX_PACK=0
+
+A variant is NAME=TREE[:MODEL]: TREE a copy of the repository (its `specmlx` package, with
+its own built extension, goes first on PYTHONPATH; `-` for the installed one), MODEL a
+model directory (default --model); --env NAME:KEY=VALUE sets a variable for one variant's
+runs. Each run loads the model, decodes 16 greedy tokens to
+warm up, then --tokens twice, and reports the faster of the two (tok/s) and a hash of its
+tokens. Prints each variant's median and its per-repeat ratios to the first variant's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+PROMPT = "Write a Python function that tells whether a number is prime."
+CHILD = """
+import hashlib, sys
+import specmlx
+model = specmlx.load(sys.argv[1])
+model.tokenizer.eos_token_ids = set()
+ids = model.tokenizer.encode(sys.argv[3])
+specmlx.generate(model, ids, max_tokens=16, num_draft=0).run()
+best, tokens = 0.0, []
+for _ in range(2):
+    gen = specmlx.generate(model, ids, max_tokens=int(sys.argv[2]), num_draft=0).run()
+    best, tokens = max(best, gen.stats.tokens / gen.stats.decode_time), gen.tokens
+print(best, hashlib.sha256(str(tokens).encode()).hexdigest()[:8])
+"""
+
+
+def run_once(tree: str, model: str, extra: dict, tokens: int) -> tuple[float, str]:
+    env = dict(os.environ, **extra)
+    if tree != "-":
+        env["PYTHONPATH"] = str(Path(tree).resolve())
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, model, str(tokens), PROMPT],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd="/",  # so that the working tree's own specmlx does not shadow TREE's
+        check=True,
+    ).stdout.split()
+    return float(out[0]), out[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variant", action="append", required=True, help="NAME=TREE[:MODEL]")
+    parser.add_argument(
+        "--model",
+        default=str(Path.home() / ".cache/specmlx/models" / "qwen2.5-coder-1.5b-instruct-int4"),
+    )
+    parser.add_argument("--env", action="append", default=[], help="NAME:KEY=VALUE")
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--tokens", type=int, default=96)
+    args = parser.parse_args()
+    variants = {}
+    for spec in args.variant:
+        name, _, rest = spec.partition("=")
+        tree, _, model = rest.partition(":")
+        variants[name] = (tree or "-", model or args.model, {})
+    for spec in args.env:
+        name, _, assignment = spec.partition(":")
+        key, _, value = assignment.partition("=")
+        if name not in variants or not key:
+            parser.error(f"--env {spec!r}: want NAME:KEY=VALUE for a --variant NAME")
+        variants[name][2][key] = value
+    rates: dict[str, list[float]] = {name: [] for name in variants}
+    hashes: dict[str, set[str]] = {name: set() for name in variants}
+    for r in range(args.repeat):
+        order = list(variants) if r % 2 == 0 else list(variants)[::-1]
+        for name in order:
+            rate, digest = run_once(*variants[name], args.tokens)
+            rates[name].append(rate)
+            hashes[name].add(digest)
+            print(f"repeat {r + 1}: {name} {rate:.2f} tok/s (tokens {digest})", flush=True)
+    first = next(iter(variants))
+    for name, values in rates.items():
+        ratios = [a / b for a, b in zip(values, rates[first], strict=True)]
+        print(
+            f"{name}: median {statistics.median(values):.2f} tok/s; against {first} "
+            f"{statistics.median(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f}); "
+            f"tokens {', '.join(sorted(hashes[name]))}"
+        )
+
+
+if __name__ == "__main__":
+    main()
