@@ -636,9 +636,12 @@ def patch_projections(module: nn.Module) -> int:
 
 
 def _qualifies(layer: nn.Module) -> bool:
+    # 6-bit products need int8 x; a 6-bit embedding's lookups do not (its as_linear then
+    # falls back to MLX's product call by call, through supports)
+    six_ok = activations() == "int8" or isinstance(layer, nn.QuantizedEmbedding)
     return (
         layer.bits in BITS
-        and (layer.bits != 6 or activations() == "int8")
+        and (layer.bits != 6 or six_ok)
         and getattr(layer, "mode", "affine") == "affine"
         and layer.group_size in GROUP_SIZES
         and layer.get("biases") is not None
