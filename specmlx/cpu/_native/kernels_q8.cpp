@@ -342,17 +342,26 @@ SPECMLX_VNNI512 inline __attribute__((always_inline)) __m512 rows4_512(
   return _mm512_insertf32x4(v, four_512<ST>(p, s[3] + g, valid), 3);
 }
 
-// Lane 4q + r of a rows4_512 register arranged for a chunk: row r's value for block q's
-// group (q * 32 / GS of the chunk's groups), or with GS = 32 (biases: one per step) its q-th.
+// Lane 4q + r of a chunk's scale (or bias) register: row r's value for block q's group,
+// out of values laid out PerRow a row (rows4_512: 4; a packed chunk: its groups), i.e.
+// index r * PerRow + q * 32 / GS; with GS = 32 (biases: one per step) the q-th.
+template <int GS, int PerRow>
+SPECMLX_VNNI512 inline __m512i block_lanes() {
+  alignas(64) static constexpr std::array<int32_t, 16> index = [] {
+    std::array<int32_t, 16> a{};
+    for (int q = 0; q < 4; ++q) {
+      for (int r = 0; r < 4; ++r) {
+        a[4 * q + r] = r * PerRow + q * 32 / GS;
+      }
+    }
+    return a;
+  }();
+  return _mm512_load_si512(index.data());
+}
+
 template <int GS>
 SPECMLX_VNNI512 inline __m512i quad_lanes() {
-  if constexpr (GS == 32) {
-    return _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  } else if constexpr (GS == 64) {
-    return _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 1, 5, 9, 13, 1, 5, 9, 13);
-  } else {
-    return _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12);
-  }
+  return block_lanes<GS, 4>();
 }
 
 // Packed (PACKED: j.packed, laid out by pack_quad: rows n[r] = 4t + r), each chunk's codes
@@ -376,19 +385,6 @@ SPECMLX_VNNI512 inline __attribute__((always_inline)) __m512 packed_values(const
     } else {
       return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     }
-  }
-}
-
-// Lane 4q + r: row r's scale for block q's group, out of a packed chunk's (row r, group i)
-// values at r * kGroups + i.
-template <int GS>
-SPECMLX_VNNI512 inline __m512i packed_scale_lanes() {
-  if constexpr (GS == 32) {
-    return _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  } else if constexpr (GS == 64) {
-    return _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 1, 3, 5, 7, 1, 3, 5, 7);
-  } else {
-    return _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
   }
 }
 
@@ -441,7 +437,7 @@ SPECMLX_VNNI512 void tile4_q8_vnni512(const QmmJob& j, const int (&n)[4], int m0
     if constexpr (PACKED) {
       const uint8_t* p = pk + size_t(c) * kChunkBytes + 4 * kBytes;
       _mm_prefetch(reinterpret_cast<const char*>(p) + kPackedPrefetchBytes, _MM_HINT_T0);
-      sc = _mm512_permutexvar_ps(packed_scale_lanes<GS>(), packed_values<ST, 4 * kGroups>(p));
+      sc = _mm512_permutexvar_ps(block_lanes<GS, kGroups>(), packed_values<ST, 4 * kGroups>(p));
     } else {
       const __mmask8 valid = __mmask8((1u << std::min(kGroups, groups - g0)) - 1);
       sc = _mm512_permutexvar_ps(scale_lanes, rows4_512<ST>(j.scales, s, g0, valid));
