@@ -168,12 +168,13 @@ struct RowRange {
 // counter), not into one fixed share a thread. On a shared machine a thread can lose its
 // core for a while (to another process, or to the Python thread building the next step's
 // graph); with fixed shares the whole op waited for it, here the other thread takes over
-// its ranges. About kRangesPerThread a thread, of at least kMinRangeRows rows: two weight
-// streams of 32 rows and more run as fast as longer ones (bench/memory_streams.c with
-// B = 64). Ranges are whole AMX tiles (16 rows; the vector tiles take 2 or 4); a row's
-// result does not depend on its range (nor on its partners), so the results are those of
-// any other cut.
-constexpr int kRangesPerThread = 16, kMinRangeRows = 64;
+// its ranges. About kRangesPerThread a thread, of at least kMinRangeRows rows: each range
+// starts its streams (and their prefetch) afresh, and since the four-row tile reads one
+// packed stream, 4 ranges a thread decode faster than 16 (1.02-1.03x, 14 of 14 process
+// pairs, Zen 4; bench/results/README.md, round 25). Ranges are whole AMX tiles (16 rows;
+// the vector tiles take 2 or 4); a row's result does not depend on its range (nor on its
+// partners), so the results are those of any other cut.
+constexpr int kRangesPerThread = 4, kMinRangeRows = 64;
 
 std::vector<RowRange> row_ranges(const std::vector<int>& rows, int n_threads) {
   int total = 0;
