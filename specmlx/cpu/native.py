@@ -727,7 +727,6 @@ def pack_layers(module: nn.Module) -> int:
         if isinstance(layer, NativeQuantizedLinear)
         and layer.bits == 4
         and layer["weight"].shape[0] % 4 == 0
-        and layer.get("biases") is not None
     ]
     for layer in layers:
         parts = (layer["weight"], layer["scales"], layer["biases"])

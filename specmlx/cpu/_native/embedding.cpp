@@ -30,17 +30,6 @@ struct RowsJob {
 
 // One row: plain scalar float code (the baseline ISA has no FMA to contract it into), so
 // each value is round(round(q * s) + b) as MLX's separate multiply and add give it.
-// MLX packs each row as one little-endian bit stream of codes: code k in bits
-// k * bits .. k * bits + bits - 1 (at 6 bits, four codes in three bytes).
-inline uint32_t code_at(const uint8_t* row, int k, int bits) {
-  const int bit = k * bits, at = bit / 8, shift = bit % 8;
-  uint32_t v = uint32_t(row[at]) >> shift;
-  if (shift + bits > 8) {
-    v |= uint32_t(row[at + 1]) << (8 - shift);
-  }
-  return v & ((1u << bits) - 1);
-}
-
 void dequantize_row(const RowsJob& j, int64_t row, float* y) {
   const int groups = j.K / j.group_size;
   const uint8_t* codes = reinterpret_cast<const uint8_t*>(j.w) + row * (size_t(j.K) * j.bits / 8);

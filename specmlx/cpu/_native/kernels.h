@@ -46,6 +46,18 @@ void with_scale_type(ScaleType t, Tile&& tile) {
   }
 }
 
+// Code k of a row of MLX's affine codes: the row is one little-endian bit stream, code k
+// in bits k * bits .. k * bits + bits - 1 (4 bits: a nibble, low first; 6 bits: four codes
+// in three bytes; 8 bits: byte k). For the scalar kernels and the embedding lookup.
+inline int code_at(const uint8_t* row, int k, int bits) {
+  const int bit = k * bits, at = bit / 8, shift = bit % 8;
+  int v = row[at] >> shift;
+  if (shift + bits > 8) {
+    v |= row[at + 1] << (8 - shift);
+  }
+  return v & ((1 << bits) - 1);
+}
+
 // A scale or bias as float, for the scalar kernels (MLX's conversions).
 inline float scale_at(const void* p, size_t i, ScaleType t) {
   switch (t) {
@@ -138,6 +150,10 @@ void quantize_row_q8(const float* x, int K, int group_size, int bits, Isa isa, i
 size_t packed_tile_bytes(int K, int group_size, ScaleType t);
 void pack_quad(const uint8_t* w, const uint8_t* scales, const uint8_t* biases, int N, int K, int group_size,
                ScaleType t, uint8_t* out);
+
+// Whether 4-bit products on int8 x run on the four-row AVX-512 VNNI tile under isa: the
+// tile that reads pack_quad's layout.
+bool quad_tiles(Isa isa);
 
 // Output rows [n0, n1) for all M rows of the quantized x; 4, 6 or 8 bits.
 void qmm_rows_q8(Isa isa, const QmmJob& job, int n0, int n1);

@@ -100,17 +100,6 @@ Isa q8_isa(Isa isa) {
 // Scalar: k order, one lane of 8 codes at a time, as the vector tiles sum them.
 constexpr int kScalarMaxRows = 4;
 
-// Code k of a row: 8 bits, byte k; 4 bits, a nibble (low first); 6 bits, bits 6k .. 6k + 5
-// of the row read as one little-endian bit stream (MLX packs four codes in three bytes).
-inline int code_at(const uint8_t* w, int k, int bits) {
-  if (bits == 6) {
-    const int bit = 6 * k, at = bit / 8, shift = bit % 8;
-    const int v = shift <= 2 ? w[at] >> shift : (w[at] >> shift) | (w[at + 1] << (8 - shift));
-    return v & 63;
-  }
-  return bits == 8 ? w[k] : (w[k / 2] >> (4 * (k & 1))) & 15;
-}
-
 void tile_q8_scalar(const QmmJob& j, int n0, int n1, int m0, int mt) {
   const int bytes = j.K * j.bits / 8, groups = j.K / j.group_size;
   for (int r = 0; r < (n1 == n0 ? 1 : 2); ++r) {
@@ -895,12 +884,16 @@ void pack_quad(const uint8_t* w, const uint8_t* scales, const uint8_t* biases, i
   }
 }
 
+bool quad_tiles(Isa isa) {
+  return q8_isa(isa) == Isa::avx512;
+}
+
 void qmm_rows_q8(Isa isa, const QmmJob& j, int n0, int n1) {
   if (j.xb != nullptr) {  // prepare_x_amx laid x out for AMX
     return qmm_rows_amx(j, n0, n1);
   }
   const Isa tiles = q8_isa(isa);
-  const bool quad = tiles == Isa::avx512 && j.bits == 4;
+  const bool quad = quad_tiles(isa) && j.bits == 4;
   const int tile_rows = quad ? kQuadMaxRows
       : tiles == Isa::avx512 ? kVnniMaxRows
       : tiles == Isa::avx2   ? kAvx2MaxRows

@@ -673,8 +673,7 @@ mx::array pack_quad_matrix(const mx::array& w, const mx::array& scales, const mx
 }
 
 bool reads_packed() {
-  const Isa isa = g_isa.load();
-  return isa == Isa::avx512 && std::string(q8_kernel_name(isa)) == "vnni512";
+  return quad_tiles(g_isa.load());
 }
 
 int threads() {
