@@ -26,7 +26,8 @@ prompt's cache, trimmed back after each pass), k = 1, 2, 4, 8, 16.
 mlx, e.g. from two commits' specmlx/cpu/_native) against each other in one process, the
 builds alternating within every repeat: int8 x (--x float32: float32 x), 2 threads, at
 M = 1, 2, 3, 8, on the 1.5B's gate/up and down projections (INT4) and the 1.5B head and
-the 0.5B draft's sub-vocabulary head (8-bit), fp16 scales as checkpoints store them.
+the 0.5B draft's sub-vocabulary head (8-bit), fp16 scales as checkpoints store them, the
+4-bit ones in the packed layout where a build's tiles read it (native.pack_layers).
 Copies of each matrix (~300 MB in all) are cycled so that every call reads its weights
 from DRAM, as a model's step does. --isa forces an instruction set in both. With --model,
 also whole-model passes of that model over k = 1, 2, 4, 8 tokens (on a short prompt's
@@ -294,6 +295,16 @@ def build_passes(args, builds: dict) -> list[str]:
     return lines
 
 
+def packed_copies(ext, mats: list[tuple], bits: int) -> list:
+    """Each 4-bit matrix in the build's packed layout where its tiles read one (as
+    native.pack_layers gives a model's layers), else None: what a model's step runs."""
+    if bits != 4 or not getattr(ext, "reads_packed", lambda: False)():
+        return [None] * len(mats)
+    packs = [ext.pack_quad(*mat, GROUP_SIZE) for mat in mats]
+    mx.eval(packs)
+    return packs
+
+
 def compare_builds(args) -> list[str]:
     """Table rows: ms per call of each build, per matrix and M, builds interleaved."""
     builds = {directory: load_build(directory) for directory in args.builds}
@@ -308,8 +319,9 @@ def compare_builds(args) -> list[str]:
         f"cpu: {cpu_name()}, {os.cpu_count()} logical CPUs; {args.x} x, 2 threads, "
         f"isa {builds[a].isa()} (int8 tiles: A {builds[a].q8_kernel()}, "
         f"B {builds[b].q8_kernel()}); mlx {mx.__version__}",
-        f"A = {a}, B = {b}; g{GROUP_SIZE}, fp16 scales; ms per call, median of {args.reps} "
-        "passes over the cycled copies, the builds interleaved",
+        f"A = {a}, B = {b}; g{GROUP_SIZE}, fp16 scales, 4-bit matrices packed where a build's "
+        f"tiles read that layout; ms per call, median of {args.reps} passes over the cycled "
+        "copies, the builds interleaved",
         "",
         "| matrix | M | A ms | B ms | A / B | B GB/s |",
         "|---|---:|---:|---:|---:|---:|",
@@ -323,6 +335,7 @@ def compare_builds(args) -> list[str]:
         mx.eval(mats)
         del w, scales, biases
         gb = sum(t.nbytes for t in mats[0]) / 1e9
+        packs = {d: packed_copies(ext, mats, bits) for d, ext in builds.items()}
         for m in args.rows:
             x = mx.random.normal((m, k))
             mx.eval(x)
@@ -330,15 +343,15 @@ def compare_builds(args) -> list[str]:
             for rep in range(args.reps + 1):  # the first pass warms up
                 for d, ext in builds.items():
                     t0 = time.perf_counter()
-                    for mat in mats:
-                        mx.eval(ext.quantized_matmul(x, *mat, GROUP_SIZE, bits))
+                    for mat, pack in zip(mats, packs[d], strict=True):
+                        mx.eval(ext.quantized_matmul(x, *mat, GROUP_SIZE, bits, None, pack))
                     if rep:
                         times[d].append((time.perf_counter() - t0) / copies)
             ta, tb = (statistics.median(times[d]) * 1e3 for d in args.builds)
             row = f"| {name} | {m} | {ta:.3f} | {tb:.3f} | {ta / tb:.2f}x | {gb / tb * 1e3:.1f} |"
             lines.append(row)
             print(row, flush=True)
-        del mats
+        del mats, packs
     if args.model:
         lines += build_passes(args, builds)
     return lines

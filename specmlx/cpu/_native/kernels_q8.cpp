@@ -33,6 +33,8 @@
 #include <cmath>
 #include <utility>
 
+#include <unistd.h>
+
 #include "amx.h"
 #include "kernels.h"
 
@@ -71,6 +73,28 @@ using TileFn = void (*)(const QmmJob&, int n0, int n1, int m0);
 // left M = 1 about even (bench/results/row_pairing.md).
 constexpr int kPrefetchBytes = 4 << 10;
 constexpr int kPackedPrefetchBytes = 4 << 10;  // one stream per tile: its own distance
+
+// Where a packed tile's prefetches land. Its rows of x are re-read from L1 once a tile; when
+// a tile's weights, those rows and the stream asked ahead overflow L1 (a 1.5B's down
+// projection: K = 8960, ~20 KB of weights a tile against ~10 KB of x a row), weights
+// prefetched into L1 evict x, and asking for them into L2 only is faster (down 1.06x at one
+// row, 1.23-1.26x at two and four; gate/up, K = 1536, 0.7-0.86x: bench/results/README.md,
+// round 26).
+enum class Stream { l1, l2 };
+
+size_t l1d_bytes() {
+  static const size_t bytes = [] {
+    const long n = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+    return n > 0 ? size_t(n) : size_t(32) << 10;
+  }();
+  return bytes;
+}
+
+Stream packed_stream(const QmmJob& j, int mt) {
+  const size_t x_bytes = size_t(mt) * (j.ldq + 4 * (size_t(j.ldd) + j.ldg));
+  const size_t tile = packed_tile_bytes(j.K, j.group_size, j.stype);
+  return tile + x_bytes + kPackedPrefetchBytes <= l1d_bytes() * 3 / 4 ? Stream::l1 : Stream::l2;
+}
 
 // Prefetch one chunk's worth of both streams, kPrefetchBytes ahead. Forced inline: GCC takes
 // a function of prefetches alone for one without effects, and dropped a call to it made
@@ -377,8 +401,9 @@ SPECMLX_VNNI512 inline __attribute__((always_inline)) __m512 packed_values(const
   }
 }
 
-template <int MT, int GS, ScaleType ST, bool PACKED>
+template <int MT, int GS, ScaleType ST, bool PACKED, Stream S = Stream::l1>
 SPECMLX_VNNI512 void tile4_q8_vnni512(const QmmJob& j, const int (&n)[4], int m0) {
+  constexpr _mm_hint kHint = S == Stream::l1 ? _MM_HINT_T0 : _MM_HINT_T1;
   constexpr int kCodes = 128, kBytes = 64, kGroups = std::max(1, kCodes / GS);
   constexpr int kChunkBytes = 4 * kBytes + 4 * kGroups * scale_bytes<ST>();  // packed
   const int bytes = j.K / 2, groups = j.K / GS;
@@ -411,7 +436,7 @@ SPECMLX_VNNI512 void tile4_q8_vnni512(const QmmJob& j, const int (&n)[4], int m0
       __m512i b;
       if constexpr (PACKED) {  // codes zero-padded to whole chunks
         const uint8_t* p = pk + size_t(c) * kChunkBytes + r * kBytes;
-        _mm_prefetch(reinterpret_cast<const char*>(p) + kPackedPrefetchBytes, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPackedPrefetchBytes, kHint);
         b = _mm512_loadu_si512(p);
       } else {
         const uint8_t* p = w[r] + c * kBytes;
@@ -425,7 +450,7 @@ SPECMLX_VNNI512 void tile4_q8_vnni512(const QmmJob& j, const int (&n)[4], int m0
     __m512 sc;
     if constexpr (PACKED) {
       const uint8_t* p = pk + size_t(c) * kChunkBytes + 4 * kBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(p) + kPackedPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kPackedPrefetchBytes, kHint);
       sc = _mm512_permutexvar_ps(block_lanes<GS, kGroups>(), packed_values<ST, 4 * kGroups>(p));
     } else {
       const __mmask8 valid = __mmask8((1u << std::min(kGroups, groups - g0)) - 1);
@@ -643,9 +668,9 @@ template <int MT, int GS, int BITS>
 void run_vnni512(const QmmJob& j, int n0, int n1, int m0) {
   with_scale_type(j.stype, [&](auto st) { tile_q8_vnni512<MT, GS, BITS, st.value>(j, n0, n1, m0); });
 }
-template <int MT, int GS, bool PACKED>
+template <int MT, int GS, bool PACKED, Stream S>
 void run_quad(const QmmJob& j, const int (&n)[4], int m0) {
-  with_scale_type(j.stype, [&](auto st) { tile4_q8_vnni512<MT, GS, st.value, PACKED>(j, n, m0); });
+  with_scale_type(j.stype, [&](auto st) { tile4_q8_vnni512<MT, GS, st.value, PACKED, S>(j, n, m0); });
 }
 template <int MT, int GS, int BITS>
 void run_avx2(const QmmJob& j, int n0, int n1, int m0) {
@@ -671,16 +696,16 @@ TileFn pick_vnni512(int group_size, int mt) {
 }
 
 using QuadFn = void (*)(const QmmJob&, const int (&)[4], int m0);
-template <int GS, bool PACKED, int... MT>
+template <int GS, bool PACKED, Stream S, int... MT>
 constexpr std::array<QuadFn, sizeof...(MT)> quad_tiles(std::integer_sequence<int, MT...>) {
-  return {&run_quad<MT + 1, GS, PACKED>...};
+  return {&run_quad<MT + 1, GS, PACKED, S>...};
 }
-template <bool PACKED>
+template <bool PACKED, Stream S = Stream::l1>
 QuadFn pick_quad(int group_size, int mt) {
   using Seq = std::make_integer_sequence<int, kQuadMaxRows>;
-  static constexpr auto g32 = quad_tiles<32, PACKED>(Seq{});
-  static constexpr auto g64 = quad_tiles<64, PACKED>(Seq{});
-  static constexpr auto g128 = quad_tiles<128, PACKED>(Seq{});
+  static constexpr auto g32 = quad_tiles<32, PACKED, S>(Seq{});
+  static constexpr auto g64 = quad_tiles<64, PACKED, S>(Seq{});
+  static constexpr auto g128 = quad_tiles<128, PACKED, S>(Seq{});
   return (group_size == 32 ? g32 : group_size == 64 ? g64 : g128)[mt - 1];
 }
 
@@ -922,8 +947,10 @@ void qmm_rows_q8(Isa isa, const QmmJob& j, int n0, int n1) {
     for (int m0 = 0; m0 < j.M; m0 += tile_rows) {
       const int mt = std::min(tile_rows, j.M - m0);
       if (quad && j.packed != nullptr) {  // tiles of four adjacent rows, one stream each
+        const QuadFn tile = packed_stream(j, mt) == Stream::l1 ? pick_quad<true, Stream::l1>(j.group_size, mt)
+                                                               : pick_quad<true, Stream::l2>(j.group_size, mt);
         for (int a = nb; a < nb_end; a += 4) {
-          pick_quad<true>(j.group_size, mt)(j, {a, a + 1, a + 2, a + 3}, m0);
+          tile(j, {a, a + 1, a + 2, a + 3}, m0);
         }
         continue;
       }
