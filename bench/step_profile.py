@@ -77,13 +77,25 @@ def timed(build, repeat: int) -> float:
     return median(samples)
 
 
-def block_linears(module: nn.Module) -> dict[str, nn.Module]:
-    """The quantized linear layers inside the transformer blocks (not the head), by name."""
-    return {
-        name: m
-        for name, m in module.named_modules()
-        if isinstance(m, nn.QuantizedLinear) and ".layers." in f".{name}"
-    }
+def parameter_bytes(m: nn.Module) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(m.parameters()))
+
+
+def block_linears(module: nn.Module) -> dict[str, tuple[nn.Module, int]]:
+    """The quantized linear layers inside the transformer blocks (not the head), by name,
+    with the bytes a call reads. A stacked q/k/v (native.patch_projections) is one op that
+    q's call runs for all three: it is timed once, as `q/k/v (stacked)`."""
+    found = {}
+    for name, m in module.named_modules():
+        if not isinstance(m, nn.QuantizedLinear) or ".layers." not in f".{name}":
+            continue
+        stack = getattr(m, "_stack", None)
+        if stack is None:
+            found[name] = (m, parameter_bytes(m))
+        elif m._slot == 0:
+            stacked = f"{name.rsplit('.', 1)[0]}.q/k/v (stacked)"
+            found[stacked] = (m, sum(parameter_bytes(layer) for layer in stack.layers))
+    return found
 
 
 def by_kind(names: list[str]) -> dict[str, list[int]]:
@@ -143,7 +155,8 @@ def main() -> None:
 
     dtype = mx.float32 if model.dtype == "float32" else getattr(mx, model.dtype)
     named = block_linears(module)
-    linears = list(named.values())
+    linears = [m for m, _ in named.values()]
+    layer_bytes = [n for _, n in named.values()]
     kinds = by_kind(list(named))
     xs = [mx.random.normal((1, 1, m.weight.shape[1] * 32 // m.bits)).astype(dtype) for m in linears]
     head = head_of(module)
@@ -204,7 +217,7 @@ def main() -> None:
     kind_rows = {}
     for kind, which in kinds.items():
         seconds = median(per_kind[kind])
-        nbytes = sum(sum(v.nbytes for _, v in tree_flatten(linears[i].parameters())) for i in which)
+        nbytes = sum(layer_bytes[i] for i in which)
         kind_rows[kind] = {
             "layers": len(which),
             "ms": round(seconds * 1e3, 2),
