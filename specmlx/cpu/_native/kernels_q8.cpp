@@ -546,22 +546,34 @@ SPECMLX_AVX2_Q8 inline __m256i load_chunk32(const uint8_t* p, bool full) {
   return full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)) : _mm256_zextsi128_si256(low);
 }
 
-// 6 bits: a chunk's 24 bytes (32 codes) widened to one byte a code in k order, as in
-// widen6_512, each 128-bit lane from its 12 bytes. The two loads read 4 bytes past the
-// chunk, so the row's last chunk (`last`) is copied out first: the matrix's last row ends there.
-SPECMLX_AVX2_Q8 inline __attribute__((always_inline)) __m256i widen6_256(const uint8_t* p, bool last) {
-  alignas(32) uint8_t copy[32] = {};
-  if (last) {
-    std::copy_n(p, 24, copy);
-    p = copy;
-  }
-  const __m256i b = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(p + 12), reinterpret_cast<const __m128i*>(p));
-  const __m128i lane = _mm_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1);
-  const __m256i w = _mm256_shuffle_epi8(b, _mm256_setr_m128i(lane, lane));
-  __m256i r = _mm256_and_si256(w, _mm256_set1_epi32(0x3F));
-  r = _mm256_or_si256(r, _mm256_and_si256(_mm256_slli_epi32(w, 2), _mm256_set1_epi32(0x3F00)));
-  r = _mm256_or_si256(r, _mm256_and_si256(_mm256_slli_epi32(w, 4), _mm256_set1_epi32(0x3F0000)));
-  return _mm256_or_si256(r, _mm256_and_si256(_mm256_slli_epi32(w, 6), _mm256_set1_epi32(0x3F000000)));
+// 6 bits: a chunk's 24 bytes (32 codes) as int16 in k order, codes 0-15 and 16-31: the
+// form the 8-bit tile's codes take for madd. Each int16 lane takes the 16-bit window of
+// the 3-byte group that holds its code (b0 << 8, b0 | b1 << 8, b1 | b2 << 8, b2: the code
+// at bit 8, 6, 4, 2) and shifts it down with one unsigned multiply-high. Both halves are
+// 16-byte loads inside the chunk (at 0 and at 8), each shuffled per lane from its own
+// bytes: 8 instructions a chunk where widening to bytes and then to int16 took ~15 and a
+// copy of the row's last chunk (6-bit heads had run at 0.76x the 8-bit ones' speed on
+// AVX2: bench/results/README.md, round 26).
+SPECMLX_AVX2_Q8 inline __attribute__((always_inline)) __m256i widen6_half(const uint8_t* p, __m256i windows) {
+  const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i down = _mm256_setr_epi16(
+      1 << 8, 1 << 10, 1 << 12, 1 << 14, 1 << 8, 1 << 10, 1 << 12, 1 << 14,
+      1 << 8, 1 << 10, 1 << 12, 1 << 14, 1 << 8, 1 << 10, 1 << 12, 1 << 14);
+  return _mm256_and_si256(_mm256_mulhi_epu16(_mm256_shuffle_epi8(b, windows), down), _mm256_set1_epi16(0x3F));
+}
+
+// The shuffle that gives each int16 lane its window, for the 8 codes from byte `at` of a
+// lane's 16 loaded bytes: codes 0-7 of a 16-code half at 0, 8-15 at 6 (the half at 0), or at
+// 4 and 10 (the half loaded from byte 8).
+SPECMLX_AVX2_Q8 inline __m128i six_windows(int at) {
+  const int a = at;
+  return _mm_setr_epi8(-1, a, a, a + 1, a + 1, a + 2, a + 2, -1, -1, a + 3, a + 3, a + 4, a + 4, a + 5, a + 5, -1);
+}
+
+SPECMLX_AVX2_Q8 inline __attribute__((always_inline)) void widen6_chunk(
+    const uint8_t* p, __m256i first, __m256i second, __m256i& lo, __m256i& hi) {
+  lo = widen6_half(p, first);
+  hi = widen6_half(p + 8, second);
 }
 
 // ST, the scales' type, a template parameter: see halves8_512. 6 bits run as 8 once widened.
@@ -577,6 +589,8 @@ SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n0, int n1, int m0) {
   const int8_t* xq = j.xq + size_t(m0) * j.ldq;
   const float* xd = j.xd + size_t(m0) * j.ldd;
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i six_lo = _mm256_setr_m128i(six_windows(0), six_windows(6));
+  const __m256i six_hi = _mm256_setr_m128i(six_windows(4), six_windows(10));
 
   __m256 acc0[MT], acc1[MT];  // the loops over them unrolled, as in tile_q8_vnni512
   #pragma GCC unroll 16
@@ -589,27 +603,25 @@ SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n0, int n1, int m0) {
     if (c % 2 == 0) {  // a cache line is two chunks
       prefetch_streams<2 * kBytes>(w0, w1, c / 2);
     }
-    __m256i b0, b1;
-    if constexpr (BITS == 6) {  // K is a multiple of 32 (of a group): every chunk is full
-      b0 = widen6_256(w0 + c * kBytes, c + 1 == chunks);
-      b1 = widen6_256(w1 + c * kBytes, c + 1 == chunks);
-    } else {
-      b0 = load_chunk32(w0 + c * kBytes, full);
-      b1 = load_chunk32(w1 + c * kBytes, full);
-    }
-    // Two registers of codes per row: 4 bits, the low and the high nibbles; 8 (and 6)
-    // bits, the chunk's first and last 16 codes widened to int16.
+    // Two registers of codes per row: 4 bits, the low and the high nibbles; 8 and 6 bits,
+    // the chunk's first and last 16 codes widened to int16.
     __m256i lo0, hi0, lo1, hi1;
-    if constexpr (BITS == 4) {
-      lo0 = _mm256_and_si256(b0, low4);
-      hi0 = _mm256_and_si256(_mm256_srli_epi16(b0, 4), low4);
-      lo1 = _mm256_and_si256(b1, low4);
-      hi1 = _mm256_and_si256(_mm256_srli_epi16(b1, 4), low4);
+    if constexpr (BITS == 6) {  // K is a multiple of 32 (of a group): every chunk is full
+      widen6_chunk(w0 + c * kBytes, six_lo, six_hi, lo0, hi0);
+      widen6_chunk(w1 + c * kBytes, six_lo, six_hi, lo1, hi1);
     } else {
-      lo0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(b0));
-      hi0 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(b0, 1));
-      lo1 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(b1));
-      hi1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(b1, 1));
+      const __m256i b0 = load_chunk32(w0 + c * kBytes, full), b1 = load_chunk32(w1 + c * kBytes, full);
+      if constexpr (BITS == 4) {
+        lo0 = _mm256_and_si256(b0, low4);
+        hi0 = _mm256_and_si256(_mm256_srli_epi16(b0, 4), low4);
+        lo1 = _mm256_and_si256(b1, low4);
+        hi1 = _mm256_and_si256(_mm256_srli_epi16(b1, 4), low4);
+      } else {
+        lo0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(b0));
+        hi0 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(b0, 1));
+        lo1 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(b1));
+        hi1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(b1, 1));
+      }
     }
     const int g0 = c * kCodes / GS, count = std::min(std::max(1, kCodes / GS), groups - g0);
     // 8 and 6 bits: one group per chunk, so lane_scales256<64> (one scale for all lanes) fits
