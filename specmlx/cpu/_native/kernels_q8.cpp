@@ -77,9 +77,9 @@ constexpr int kPackedPrefetchBytes = 4 << 10;  // one stream per tile: its own d
 // Where a packed tile's prefetches land. Its rows of x are re-read from L1 once a tile; when
 // a tile's weights, those rows and the stream asked ahead overflow L1 (a 1.5B's down
 // projection: K = 8960, ~20 KB of weights a tile against ~10 KB of x a row), weights
-// prefetched into L1 evict x, and asking for them into L2 only is faster (down 1.06x at one
-// row, 1.23-1.26x at two and four; gate/up, K = 1536, 0.7-0.86x: bench/results/README.md,
-// round 26).
+// prefetched into L1 evict x, and asking for them into L2 only is faster (down 1.20x at one
+// row, 1.31x at two and four; gate/up, K = 1536, all into L2: 0.7-0.86x;
+// bench/results/README.md, round 26).
 enum class Stream { l1, l2 };
 
 size_t l1d_bytes() {
@@ -380,9 +380,14 @@ SPECMLX_VNNI512 inline __m512i quad_lanes() {
 // Packed (PACKED: j.packed, laid out by pack_quad: rows n[r] = 4t + r), each chunk's codes
 // and scales and then the biases come from one stream, in the order the tile reads them:
 // the same values, so the same result, bitwise.
-template <ScaleType ST>
-constexpr int scale_bytes() {
-  return ST == ScaleType::f32 ? 4 : 2;
+constexpr int scale_bytes(ScaleType t) {
+  return t == ScaleType::f32 ? 4 : 2;
+}
+
+// One packed chunk (128 codes): four rows' 64 code bytes, then their scales, per_chunk a
+// row; what pack_quad writes and the tile steps by.
+constexpr int packed_chunk_bytes(int group_size, ScaleType t) {
+  return 4 * 64 + 4 * std::max(1, 128 / group_size) * scale_bytes(t);
 }
 
 // n values (4, 8 or 16) of a packed side block as floats in lanes 0..n-1, exactly.
@@ -405,7 +410,7 @@ template <int MT, int GS, ScaleType ST, bool PACKED, Stream S = Stream::l1>
 SPECMLX_VNNI512 void tile4_q8_vnni512(const QmmJob& j, const int (&n)[4], int m0) {
   constexpr _mm_hint kHint = S == Stream::l1 ? _MM_HINT_T0 : _MM_HINT_T1;
   constexpr int kCodes = 128, kBytes = 64, kGroups = std::max(1, kCodes / GS);
-  constexpr int kChunkBytes = 4 * kBytes + 4 * kGroups * scale_bytes<ST>();  // packed
+  constexpr int kChunkBytes = packed_chunk_bytes(GS, ST);
   const int bytes = j.K / 2, groups = j.K / GS;
   const int chunks = (j.K + kCodes - 1) / kCodes;
   const int tail = bytes - (chunks - 1) * kBytes;  // bytes in the last chunk, 16..64
@@ -478,7 +483,7 @@ SPECMLX_VNNI512 void tile4_q8_vnni512(const QmmJob& j, const int (&n)[4], int m0
   for (int g = 0; g < groups; g += 4) {
     __m512 bv;
     if constexpr (PACKED) {  // lane 4q + r already: row r's group g + q, zero past the last
-      bv = packed_values<ST, 16>(pk + size_t(chunks) * kChunkBytes + size_t(g / 4) * 16 * scale_bytes<ST>());
+      bv = packed_values<ST, 16>(pk + size_t(chunks) * kChunkBytes + size_t(g / 4) * 16 * scale_bytes(ST));
     } else {
       const __mmask8 valid = __mmask8((1u << std::min(4, groups - g)) - 1);
       bv = _mm512_permutexvar_ps(bias_lanes, rows4_512<ST>(j.biases, s, g, valid));
@@ -565,8 +570,7 @@ SPECMLX_AVX2_Q8 inline __attribute__((always_inline)) __m256i widen6_half(const 
 // The shuffle that gives each int16 lane its window, for the 8 codes from byte `at` of a
 // lane's 16 loaded bytes: codes 0-7 of a 16-code half at 0, 8-15 at 6 (the half at 0), or at
 // 4 and 10 (the half loaded from byte 8).
-SPECMLX_AVX2_Q8 inline __m128i six_windows(int at) {
-  const int a = at;
+SPECMLX_AVX2_Q8 inline __m128i six_windows(int a) {
   return _mm_setr_epi8(-1, a, a, a + 1, a + 1, a + 2, a + 2, -1, -1, a + 3, a + 3, a + 4, a + 4, a + 5, a + 5, -1);
 }
 
@@ -888,20 +892,19 @@ void quantize_row_q8(const float* x, int K, int group_size, int bits, Isa isa, i
 }
 
 size_t packed_tile_bytes(int K, int group_size, ScaleType t) {
-  const int chunks = (K + 127) / 128, groups = K / group_size, per_chunk = std::max(1, 128 / group_size);
-  const int e = t == ScaleType::f32 ? 4 : 2;
-  return size_t(chunks) * (256 + 4 * per_chunk * e) + size_t((groups + 3) / 4) * 16 * e;
+  const int chunks = (K + 127) / 128, groups = K / group_size;
+  return size_t(chunks) * packed_chunk_bytes(group_size, t) + size_t((groups + 3) / 4) * 16 * scale_bytes(t);
 }
 
 void pack_quad(const uint8_t* w, const uint8_t* scales, const uint8_t* biases, int N, int K, int group_size,
                ScaleType t, uint8_t* out) {
   const int chunks = (K + 127) / 128, groups = K / group_size, per_chunk = std::max(1, 128 / group_size);
-  const int e = t == ScaleType::f32 ? 4 : 2, row_bytes = K / 2;
+  const int e = scale_bytes(t), row_bytes = K / 2;
   const size_t tile = packed_tile_bytes(K, group_size, t);
   std::fill_n(out, size_t(N / 4) * tile, uint8_t(0));
   for (int n0 = 0; n0 + 4 <= N; n0 += 4) {
     uint8_t* p = out + size_t(n0 / 4) * tile;
-    for (int c = 0; c < chunks; ++c, p += 256 + 4 * per_chunk * e) {
+    for (int c = 0; c < chunks; ++c, p += packed_chunk_bytes(group_size, t)) {
       const int take = std::min(64, row_bytes - c * 64);
       for (int r = 0; r < 4; ++r) {
         std::copy_n(w + size_t(n0 + r) * row_bytes + c * 64, take, p + r * 64);
