@@ -69,17 +69,23 @@ using TileFn = void (*)(const QmmJob&, int n0, int n1, int m0);
 
 // How far ahead in each of a tile's two weight streams (rows n0 and n1 run on through
 // memory, see qmm_rows_q8) the weights are asked for. The hardware prefetchers follow the
-// streams either way; asking ahead as well made the tiles 1.2-1.3x faster at M = 8 and
-// left M = 1 about even (bench/results/row_pairing.md).
+// streams either way; asking ahead as well made the tiles 1.2-1.3x faster at M = 8
+// (bench/results/row_pairing.md). With one row of x the packed four-row tile and the
+// AVX-512 two-row tile do not ask (kPrefetchRows): the prefetchers alone keep up with a
+// tile that does so little a cache line, and the prefetch instructions cost more than
+// they bring (1.04-1.16x from DRAM at M = 1, whole one-token passes 1.07x; the packed
+// tile without them at M = 2 and 4: 0.7-0.9x; bench/results/README.md, round 27). The
+// AVX2 tile still asks at M = 1 (without: 0.92x), as does the unpacked four-row tile.
 constexpr int kPrefetchBytes = 4 << 10;
 constexpr int kPackedPrefetchBytes = 4 << 10;  // one stream per tile: its own distance
+constexpr int kPrefetchRows = 2;  // the fewest rows of x an AVX-512 tile prefetches for
 
 // Where a packed tile's prefetches land. Its rows of x are re-read from L1 once a tile; when
 // a tile's weights, those rows and the stream asked ahead overflow L1 (a 1.5B's down
 // projection: K = 8960, ~20 KB of weights a tile against ~10 KB of x a row), weights
-// prefetched into L1 evict x, and asking for them into L2 only is faster (down 1.20x at one
-// row, 1.31x at two and four; gate/up, K = 1536, all into L2: 0.7-0.86x;
-// bench/results/README.md, round 26).
+// prefetched into L1 evict x, and asking for them into L2 only is faster (down 1.31x at two
+// and four rows; gate/up, K = 1536, all into L2: 0.7-0.86x; bench/results/README.md,
+// round 26). One row asks for nothing (kPrefetchRows).
 enum class Stream { l1, l2 };
 
 size_t l1d_bytes() {
@@ -268,7 +274,9 @@ SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n0, int n1, int m0) {
     const __m512 r0 = _mm512_castps256_ps512(halves8_512<ST>(j.scales, s0 + g0, pair_valid));
     const __m512 r1 = _mm512_castps256_ps512(halves8_512<ST>(j.scales, s1 + g0, pair_valid));
     for (int h = 0; h < 2; ++h) {
-      prefetch_streams<kBytes>(w0, w1, c + h);
+      if constexpr (MT >= kPrefetchRows) {
+        prefetch_streams<kBytes>(w0, w1, c + h);
+      }
       const __m512i b0 = codes_512<BITS>(_mm512_loadu_si512(w0 + (c + h) * kBytes));
       const __m512i b1 = codes_512<BITS>(_mm512_loadu_si512(w1 + (c + h) * kBytes));
       const __m512 sc = _mm512_permutex2var_ps(r0, h == 0 ? first : second, r1);
@@ -279,7 +287,9 @@ SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n0, int n1, int m0) {
   // so only there).
   const __mmask64 tail_mask = tail == 64 ? ~__mmask64(0) : (__mmask64(1) << tail) - 1;
   for (; c < chunks; ++c) {
-    prefetch_streams<kBytes>(w0, w1, c);
+    if constexpr (MT >= kPrefetchRows) {
+      prefetch_streams<kBytes>(w0, w1, c);
+    }
     const bool full = c < full_chunks;
     const uint8_t* p0 = w0 + c * kBytes;
     const uint8_t* p1 = w1 + c * kBytes;
@@ -441,7 +451,9 @@ SPECMLX_VNNI512 void tile4_q8_vnni512(const QmmJob& j, const int (&n)[4], int m0
       __m512i b;
       if constexpr (PACKED) {  // codes zero-padded to whole chunks
         const uint8_t* p = pk + size_t(c) * kChunkBytes + r * kBytes;
-        _mm_prefetch(reinterpret_cast<const char*>(p) + kPackedPrefetchBytes, kHint);
+        if constexpr (MT >= kPrefetchRows) {
+          _mm_prefetch(reinterpret_cast<const char*>(p) + kPackedPrefetchBytes, kHint);
+        }
         b = _mm512_loadu_si512(p);
       } else {
         const uint8_t* p = w[r] + c * kBytes;
@@ -455,7 +467,9 @@ SPECMLX_VNNI512 void tile4_q8_vnni512(const QmmJob& j, const int (&n)[4], int m0
     __m512 sc;
     if constexpr (PACKED) {
       const uint8_t* p = pk + size_t(c) * kChunkBytes + 4 * kBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(p) + kPackedPrefetchBytes, kHint);
+      if constexpr (MT >= kPrefetchRows) {
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPackedPrefetchBytes, kHint);
+      }
       sc = _mm512_permutexvar_ps(block_lanes<GS, kGroups>(), packed_values<ST, 4 * kGroups>(p));
     } else {
       const __mmask8 valid = __mmask8((1u << std::min(kGroups, groups - g0)) - 1);
