@@ -191,6 +191,36 @@ def test_each_mode_is_selectable(bits, isas):
         native.set_activations("int4")
 
 
+@pytest.mark.skipif(
+    not (native.available() and native._ext.vbmi_available()), reason="this CPU has no AVX-512 VBMI"
+)
+@pytest.mark.parametrize("scale_dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("group_size", GROUP_SIZES)
+def test_six_bit_codes_widen_alike_with_and_without_vbmi(group_size, scale_dtype, isas):
+    # K: five groups (a partial last chunk at 32; a row's last 6-bit chunk is always a
+    # masked load), 1536, and 8960 (the 1.5B's down); M one, two and one past the largest
+    # tile; N odd (a lone last row)
+    native._ext.set_isa("avx512")
+    native.set_activations("int8")
+    try:
+        for k in (5 * group_size, 1536, 8960):
+            w, s, b = quantized(37, k, group_size, bits=6, dtype=scale_dtype)
+            x = mx.random.normal((9, k), key=mx.random.key(k))
+            products = []
+            for on in (True, False):
+                native._ext.set_vbmi(on)
+                assert ("vbmi" in native._ext.q8_kernel()) == on
+                for m in (1, 2, 9):
+                    out = native.quantized_matmul(x[:m], w, s, b, group_size, 6)
+                    mx.eval(out)  # the switch is read when the matmul is evaluated
+                    products.append(np.array(out.astype(mx.float32)))
+            half = len(products) // 2
+            for vbmi, plain in zip(products[:half], products[half:], strict=True):
+                assert np.array_equal(vbmi, plain), k
+    finally:
+        native._ext.set_vbmi(True)
+
+
 def test_six_bit_products_run_on_int8_x_only(isas):
     # the float32-x tiles read 4 and 8 bits: under float32 x a 6-bit product is MLX's, and
     # the native op refuses to be built rather than compute with the wrong tiles

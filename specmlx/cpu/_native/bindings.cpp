@@ -314,4 +314,6 @@ NB_MODULE(_ext, m) {
   m.def("reads_packed", &specmlx::reads_packed, "Whether the int8 tiles the ISA runs now read pack_quad's layout.");
   m.def("amx_available", &specmlx::amx_available, "Whether this CPU and OS let the kernel use AMX.");
   m.def("set_amx", &specmlx::set_amx, "on"_a, "Let int8 passes over many rows use AMX (default), or not (tests).");
+  m.def("vbmi_available", &specmlx::vbmi_available, "Whether the 6-bit tiles can widen codes with AVX-512 VBMI.");
+  m.def("set_vbmi", &specmlx::set_vbmi, "on"_a, "Let the 6-bit tiles use VBMI where present (default), or not (tests).");
 }

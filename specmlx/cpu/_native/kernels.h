@@ -132,7 +132,13 @@ void qmm_rows(Isa isa, const QmmJob& job, int n0, int n1);
 // order), its 8-bit ones take x in k order; q8 rows are padded to a whole number of
 // chunks, and then to the strides below.
 int q8_chunk(Isa isa);
-const char* q8_kernel_name(Isa isa);  // what q8 tiles run under isa: vnni512, avx2, scalar
+const char* q8_kernel_name(Isa isa);  // what q8 tiles run under isa: vnni512(+vbmi), avx2, scalar
+
+// The 6-bit tiles widen codes with AVX-512 VBMI where the CPU has it (and VNNI), unless
+// switched off (tests: the other widening gives the same bytes).
+bool vbmi_available();
+bool vbmi_enabled();
+void set_vbmi(bool on);
 int q8_row_bytes(int K, Isa isa);     // ldq
 int q8_row_scales(int K, Isa isa);    // ldd: one scale per 32-block
 int q8_row_groups(int K, int group_size);  // ldg

@@ -30,6 +30,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <utility>
 
@@ -120,6 +121,26 @@ bool has_vnni512() {
       __builtin_cpu_supports("avx512vl");
 }
 
+std::atomic<bool> g_vbmi_on{true};
+
+} // namespace
+
+bool vbmi_available() {
+  __builtin_cpu_init();
+  static const bool vbmi = has_vnni512() && __builtin_cpu_supports("avx512vbmi");
+  return vbmi;
+}
+
+bool vbmi_enabled() {
+  return vbmi_available() && g_vbmi_on.load(std::memory_order_relaxed);
+}
+
+void set_vbmi(bool on) {
+  g_vbmi_on.store(on, std::memory_order_relaxed);
+}
+
+namespace {
+
 // The q8 tiles that run under isa: AVX-512 without VNNI (Skylake-X) takes the AVX2 ones.
 Isa q8_isa(Isa isa) {
   static const bool vnni = has_vnni512();
@@ -172,9 +193,31 @@ SPECMLX_VNNI512 inline __attribute__((always_inline)) __m512i widen6_512(__m512i
   return _mm512_ternarylogic_epi32(r, _mm512_slli_epi32(w, 6), _mm512_set1_epi32(0x3F000000), kOrAnd);
 }
 
-template <int BITS>
+// The same bytes in 3 instructions with VBMI (Ice Lake, Zen 4 on; not Cascade Lake, which
+// has VNNI): vpermb gives each qword the 6 bytes of its 8 codes, vpmultishiftqb moves
+// code i's bits 6i .. 6i + 5 of the qword down to its byte, and a mask drops the bits
+// above. The widening is most of a 6-bit tile's work: a 6-bit head is compute-bound on
+// two cores without it. Written in assembly so that the tiles keep one target attribute:
+// only the VBMI tiles (pick_vnni512, vbmi_enabled) execute it.
+SPECMLX_VNNI512 inline __attribute__((always_inline)) __m512i widen6_vbmi(__m512i b) {
+  alignas(64) static constexpr uint8_t kSource[64] = {
+      0,  1,  2,  3,  4,  5,  5,  5,  6,  7,  8,  9,  10, 11, 11, 11, 12, 13, 14, 15, 16, 17,
+      17, 17, 18, 19, 20, 21, 22, 23, 23, 23, 24, 25, 26, 27, 28, 29, 29, 29, 30, 31, 32, 33,
+      34, 35, 35, 35, 36, 37, 38, 39, 40, 41, 41, 41, 42, 43, 44, 45, 46, 47, 47, 47};
+  const __m512i source = _mm512_load_si512(kSource);
+  const __m512i shifts = _mm512_set1_epi64(0x2A241E18120C0600);  // 0, 6, ..., 42
+  __m512i gathered, moved;
+  asm("vpermb %1, %2, %0" : "=v"(gathered) : "v"(b), "v"(source));
+  asm("vpmultishiftqb %1, %2, %0" : "=v"(moved) : "v"(gathered), "v"(shifts));
+  return _mm512_and_si512(moved, _mm512_set1_epi8(0x3F));
+}
+
+// A chunk's codes as bytes: 6 bits widened (with VBMI where the tile is a VBMI one).
+template <int BITS, bool VBMI>
 SPECMLX_VNNI512 inline __attribute__((always_inline)) __m512i codes_512(__m512i loaded) {
-  if constexpr (BITS == 6) {
+  if constexpr (BITS == 6 && VBMI) {
+    return widen6_vbmi(loaded);
+  } else if constexpr (BITS == 6) {
     return widen6_512(loaded);
   } else {
     return loaded;
@@ -243,7 +286,7 @@ SPECMLX_VNNI512 inline __attribute__((always_inline)) void chunk_512(
   }
 }
 
-template <int MT, int GS, int BITS, ScaleType ST>
+template <int MT, int GS, int BITS, ScaleType ST, bool VBMI>
 SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n0, int n1, int m0) {
   constexpr int kCodes = 64, kBytes = kCodes * BITS / 8, kGroups = std::max(1, kCodes / GS), kQC = kCodes / 4;
   // A pair of chunks takes its scales in one load per row: 2 * kCodes / GS groups (4 at
@@ -277,8 +320,8 @@ SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n0, int n1, int m0) {
       if constexpr (MT >= kPrefetchRows) {
         prefetch_streams<kBytes>(w0, w1, c + h);
       }
-      const __m512i b0 = codes_512<BITS>(_mm512_loadu_si512(w0 + (c + h) * kBytes));
-      const __m512i b1 = codes_512<BITS>(_mm512_loadu_si512(w1 + (c + h) * kBytes));
+      const __m512i b0 = codes_512<BITS, VBMI>(_mm512_loadu_si512(w0 + (c + h) * kBytes));
+      const __m512i b1 = codes_512<BITS, VBMI>(_mm512_loadu_si512(w1 + (c + h) * kBytes));
       const __m512 sc = _mm512_permutex2var_ps(r0, h == 0 ? first : second, r1);
       chunk_512<MT>(acc, b0, b1, sc, xq + (c + h) * kCodes, j.ldq, xd + (c + h) * kCodes / kQ8Block, j.ldd);
     }
@@ -293,8 +336,8 @@ SPECMLX_VNNI512 void tile_q8_vnni512(const QmmJob& j, int n0, int n1, int m0) {
     const bool full = c < full_chunks;
     const uint8_t* p0 = w0 + c * kBytes;
     const uint8_t* p1 = w1 + c * kBytes;
-    const __m512i b0 = codes_512<BITS>(full ? _mm512_loadu_si512(p0) : _mm512_maskz_loadu_epi8(tail_mask, p0));
-    const __m512i b1 = codes_512<BITS>(full ? _mm512_loadu_si512(p1) : _mm512_maskz_loadu_epi8(tail_mask, p1));
+    const __m512i b0 = codes_512<BITS, VBMI>(full ? _mm512_loadu_si512(p0) : _mm512_maskz_loadu_epi8(tail_mask, p0));
+    const __m512i b1 = codes_512<BITS, VBMI>(full ? _mm512_loadu_si512(p1) : _mm512_maskz_loadu_epi8(tail_mask, p1));
     const int g0 = c * kCodes / GS, count = std::min(kGroups, groups - g0);
     const __mmask8 valid = __mmask8((1u << count) - 1);
     const __m512 sc = _mm512_permutex2var_ps(
@@ -694,9 +737,9 @@ SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n0, int n1, int m0) {
 // ---------------------------------------------------------------------------------------
 // Tables of instantiations: [bits 4/6/8][group size 32/64/128][MT - 1], each entry picking
 // the tile for the job's scale type (a template parameter of the tiles).
-template <int MT, int GS, int BITS>
+template <int MT, int GS, int BITS, bool VBMI>
 void run_vnni512(const QmmJob& j, int n0, int n1, int m0) {
-  with_scale_type(j.stype, [&](auto st) { tile_q8_vnni512<MT, GS, BITS, st.value>(j, n0, n1, m0); });
+  with_scale_type(j.stype, [&](auto st) { tile_q8_vnni512<MT, GS, BITS, st.value, VBMI>(j, n0, n1, m0); });
 }
 template <int MT, int GS, bool PACKED, Stream S>
 void run_quad(const QmmJob& j, const int (&n)[4], int m0) {
@@ -707,21 +750,26 @@ void run_avx2(const QmmJob& j, int n0, int n1, int m0) {
   with_scale_type(j.stype, [&](auto st) { tile_q8_avx2<MT, GS, BITS, st.value>(j, n0, n1, m0); });
 }
 
-template <int GS, int BITS, int... MT>
+template <int GS, int BITS, bool VBMI, int... MT>
 constexpr std::array<TileFn, sizeof...(MT)> vnni512_tiles(std::integer_sequence<int, MT...>) {
-  return {&run_vnni512<MT + 1, GS, BITS>...};
+  return {&run_vnni512<MT + 1, GS, BITS, VBMI>...};
 }
 template <int GS, int BITS, int... MT>
 constexpr std::array<TileFn, sizeof...(MT)> avx2_tiles(std::integer_sequence<int, MT...>) {
   return {&run_avx2<MT + 1, GS, BITS>...};
 }
 
-template <int BITS>
+template <int BITS, bool VBMI = false>
 TileFn pick_vnni512(int group_size, int mt) {
+  if constexpr (BITS == 6 && !VBMI) {
+    if (vbmi_enabled()) {
+      return pick_vnni512<6, true>(group_size, mt);
+    }
+  }
   using Seq = std::make_integer_sequence<int, kVnniMaxRows>;
-  static constexpr auto g32 = vnni512_tiles<32, BITS>(Seq{});
-  static constexpr auto g64 = vnni512_tiles<64, BITS>(Seq{});
-  static constexpr auto g128 = vnni512_tiles<128, BITS>(Seq{});
+  static constexpr auto g32 = vnni512_tiles<32, BITS, VBMI>(Seq{});
+  static constexpr auto g64 = vnni512_tiles<64, BITS, VBMI>(Seq{});
+  static constexpr auto g128 = vnni512_tiles<128, BITS, VBMI>(Seq{});
   return (group_size == 32 ? g32 : group_size == 64 ? g64 : g128)[mt - 1];
 }
 
@@ -855,7 +903,7 @@ int q8_chunk(Isa isa) {
 const char* q8_kernel_name(Isa isa) {
   switch (q8_isa(isa)) {
     case Isa::avx512:
-      return "vnni512";
+      return vbmi_enabled() ? "vnni512+vbmi" : "vnni512";
     case Isa::avx2:
       return "avx2";
     case Isa::scalar:

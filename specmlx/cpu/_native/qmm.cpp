@@ -718,10 +718,11 @@ void set_activations(const std::string& name) {
   g_activations.store(name == "int8" ? Activations::int8 : Activations::float32);
 }
 
-const char* q8_kernel() {
+std::string q8_kernel() {
   const Isa isa = g_isa.load();
   // amx_rows' condition; AMX CPUs all have VNNI, so their avx512 tiles are vnni512
-  return isa == Isa::avx512 && amx_enabled() ? "vnni512, amx from 16 rows" : q8_kernel_name(isa);
+  const std::string tiles = q8_kernel_name(isa);
+  return isa == Isa::avx512 && amx_enabled() ? tiles + ", amx from 16 rows" : tiles;
 }
 
 } // namespace specmlx

@@ -173,6 +173,6 @@ void set_isa(const std::string& name);  // "avx512" | "avx2" | "scalar"; must be
 enum class Activations { float32, int8 };
 const char* activations();
 void set_activations(const std::string& name);  // "int8" | "float32"
-const char* q8_kernel();  // the int8 tiles the current ISA runs: vnni512, avx2 or scalar
+std::string q8_kernel();  // the int8 tiles the current ISA runs: vnni512(+vbmi), avx2 or scalar
 
 } // namespace specmlx
