@@ -2,6 +2,8 @@
 streams each tile's codes, scales and biases from one buffer, and every product it gives is
 bitwise the one it gives from the separate arrays."""
 
+from pathlib import Path
+
 import mlx.core as mx
 import pytest
 
@@ -96,3 +98,34 @@ def test_a_layer_whose_weights_are_replaced_stops_reading_its_packed_copy(
     layer = next(m for m in model.module.modules() if getattr(m, "packed_tiles", None) is not None)
     layer.scales = layer.scales * 2
     assert layer.packed_tiles is None  # the op then reads the new arrays themselves
+
+
+def transparent_huge_pages() -> str | None:
+    """Linux's THP mode ("always", "madvise" or "never"), None where it cannot be read."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+        Path("/proc/self/smaps_rollup").stat()
+    except OSError:
+        return None
+    return text.split("[")[1].split("]")[0]
+
+
+def anonymous_huge_kib() -> int:
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.skipif(
+    transparent_huge_pages() != "madvise",
+    reason="huge pages are only asked for where Linux gives them on request (THP madvise)",
+)
+def test_packed_copies_ask_for_huge_pages():
+    # ~17 MiB packed: at least one whole 2 MiB page inside it whatever its alignment; under
+    # "madvise" nothing else in the process gets huge pages, so any growth is the copy's
+    w, s, b = quantized(4096, 8192, 64, mx.float16)
+    before = anonymous_huge_kib()
+    packed = native._ext.pack_quad(w, s, b, 64)
+    mx.eval(packed)
+    assert anonymous_huge_kib() - before >= 2048
