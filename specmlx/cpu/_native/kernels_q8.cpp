@@ -126,7 +126,6 @@ std::atomic<bool> g_vbmi_on{true};
 } // namespace
 
 bool vbmi_available() {
-  __builtin_cpu_init();
   static const bool vbmi = has_vnni512() && __builtin_cpu_supports("avx512vbmi");
   return vbmi;
 }
