@@ -122,10 +122,24 @@ def anonymous_huge_kib() -> int:
     reason="huge pages are only asked for where Linux gives them on request (THP madvise)",
 )
 def test_packed_copies_ask_for_huge_pages():
-    # ~17 MiB packed: at least one whole 2 MiB page inside it whatever its alignment; under
-    # "madvise" nothing else in the process gets huge pages, so any growth is the copy's
+    # ~17 MiB packed into a fresh mapping that starts on a huge page: all but its last
+    # partial 2 MiB page are huge ones
     w, s, b = quantized(4096, 8192, 64, mx.float16)
     before = anonymous_huge_kib()
     packed = native._ext.pack_quad(w, s, b, 64)
     mx.eval(packed)
-    assert anonymous_huge_kib() - before >= 2048
+    assert anonymous_huge_kib() - before >= 8 * 2048
+
+
+def test_copies_packed_together_equal_those_packed_alone_and_outlive_each_other(int8_activations):
+    # one mapping holds all three (different K, scale types alike within one call); each
+    # array must stay readable after the others are gone
+    mats = [quantized(n, k, 64, mx.float16, seed=n) for n, k in ((8, 128), (36, 1536), (20, 8960))]
+    together = native._ext.pack_quads([list(m) for m in mats], 64)
+    alone = [native._ext.pack_quad(*m, 64) for m in mats]
+    for t, a in zip(together, alone, strict=True):
+        assert t.dtype == mx.uint8 and mx.array_equal(t, a).item()
+    last = together[-1]
+    del together
+    x = mx.random.normal((1, 8960), key=mx.random.key(2))
+    assert mx.array_equal(product(x, *mats[-1], 64, last), product(x, *mats[-1], 64)).item()

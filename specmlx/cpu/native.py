@@ -714,7 +714,7 @@ def pack_layers(module: nn.Module) -> int:
     are the same, so each product's result is too, bitwise. Returns how many were packed."""
     if (
         _ext is None
-        or not hasattr(_ext, "pack_quad")
+        or not hasattr(_ext, "pack_quads")
         or os.environ.get(ENV_PACK, "1") == "0"
         or not _ext.reads_packed()
         or activations() != "int8"
@@ -728,10 +728,13 @@ def pack_layers(module: nn.Module) -> int:
         and layer.bits == 4
         and layer["weight"].shape[0] % 4 == 0
     ]
-    for layer in layers:
-        parts = (layer["weight"], layer["scales"], layer["biases"])
-        packed = _ext.pack_quad(*parts, layer.group_size)
-        object.__setattr__(layer, "_packed", (parts, packed))  # not a parameter: never saved
+    for group_size in sorted({layer.group_size for layer in layers}):
+        chosen = [layer for layer in layers if layer.group_size == group_size]
+        parts = [(layer["weight"], layer["scales"], layer["biases"]) for layer in chosen]
+        for layer, sources, packed in zip(
+            chosen, parts, _ext.pack_quads([list(p) for p in parts], group_size), strict=True
+        ):
+            object.__setattr__(layer, "_packed", (sources, packed))  # not a parameter: never saved
     return len(layers)
 
 

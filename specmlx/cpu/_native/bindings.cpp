@@ -311,6 +311,13 @@ NB_MODULE(_ext, m) {
       "group_size"_a = 64,
       "A 4-bit matrix (N a multiple of 4) laid out for the four-row AVX-512 tile: each tile's "
       "codes, scales and biases in one stream (uint8, computed now).");
+  m.def(
+      "pack_quads",
+      &specmlx::pack_quad_matrices,
+      "matrices"_a,
+      "group_size"_a = 64,
+      "pack_quad of each [w, scales, biases] (one group size), in one mapping asked for huge "
+      "pages.");
   m.def("reads_packed", &specmlx::reads_packed, "Whether the int8 tiles the ISA runs now read pack_quad's layout.");
   m.def("amx_available", &specmlx::amx_available, "Whether this CPU and OS let the kernel use AMX.");
   m.def("set_amx", &specmlx::set_amx, "on"_a, "Let int8 passes over many rows use AMX (default), or not (tests).");

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -13,6 +14,7 @@
 
 #include "amx.h"
 #include "kernels.h"
+#include "mapped.h"
 #include "scratch.h"
 #include "strided.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -647,24 +649,43 @@ std::vector<mx::array> stacked_matmul(
 
 namespace {
 
-// Asks Linux to back the 2 MiB pages inside [p, p + bytes) with huge pages (where THP is
-// "madvise", the default on most distributions; a no-op where it is "never"). A decode step
-// streams every packed weight once, and on 4 KiB pages that is a page walk every 4 KiB: on
-// huge pages whole one-token passes ran 1.01-1.02x faster with ~65% of the packed bytes
-// covered (bench/results/README.md, round 27). Before the first write, so that the faults
-// themselves take huge pages.
-void advise_huge_pages(void* p, size_t bytes) {
-  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(p);
-  const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1), last = (begin + bytes) & ~(kHuge - 1);
-  if (last > first) {
-    madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);  // advice: failure is harmless
+constexpr size_t kHugePage = size_t(2) << 20;
+
+// The packed copies of a model's layers, in one anonymous mapping whose 2 MiB pages Linux is
+// asked to back with huge pages (where THP is "madvise", the default on most distributions;
+// a no-op where it is "never"). A decode step streams every packed weight once, and on
+// 4 KiB pages that is a page walk every 4 KiB. A fresh mapping, not the allocator's memory:
+// pages the allocator reuses were faulted in small already, and one mapping for all the
+// layers leaves no small copy (q/k/v) and no edge of a copy off huge pages. The allocator's
+// memory advised page by page got ~65% of the 1.5B's packed bytes huge (decode 1.03x against
+// none); this mapping all of them (decode 1.05x and 1.10x against that; loading the pair
+// ~0.2 s slower, the huge pages' faults; bench/results/README.md, round 27). Each copy is laid out as MLX's CPU buffers are, [size_t
+// bytes][data] (see mapped.cpp), so that its array's buffer size is its own.
+struct Arena {
+  void* base = MAP_FAILED;
+  size_t size = 0;
+  ~Arena() {
+    if (base != MAP_FAILED) {
+      munmap(base, size);
+    }
   }
+};
+
+size_t round_up_to(size_t n, size_t to) {
+  return (n + to - 1) / to * to;
 }
 
-} // namespace
+struct PackJob {
+  std::vector<mx::array> parts;  // w, scales, biases, row-contiguous and evaluated
+  int N, K;
+  ScaleType t;
+  size_t tile;
+  size_t bytes() const {
+    return size_t(N / 4) * tile;
+  }
+};
 
-mx::array pack_quad_matrix(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size) {
+PackJob pack_job(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size) {
   if (group_size != 32 && group_size != 64 && group_size != 128) {
     throw std::invalid_argument("[specmlx] group_size must be 32, 64 or 128");
   }
@@ -674,24 +695,75 @@ mx::array pack_quad_matrix(const mx::array& w, const mx::array& scales, const mx
     throw std::invalid_argument("[specmlx] pack_quad takes matrices of a multiple of 4 rows");
   }
   const mx::Stream cpu = mx::default_stream(mx::Device::cpu);
-  std::vector<mx::array> parts{row_contiguous(w, cpu), row_contiguous(scales, cpu), row_contiguous(biases, cpu)};
-  mx::eval(parts);
-  const ScaleType t = scale_type(scales.dtype());
-  const size_t tile = packed_tile_bytes(K, group_size, t), tiles = size_t(N / 4);
-  mx::array out(mx::allocator::malloc(tiles * tile), {int(tiles * tile)}, mx::uint8);
-  advise_huge_pages(out.data<uint8_t>(), tiles * tile);
-  const auto* wp = reinterpret_cast<const uint8_t*>(parts[0].data<uint32_t>());
-  const auto* sp = static_cast<const uint8_t*>(parts[1].data<void>());
-  const auto* bp = static_cast<const uint8_t*>(parts[2].data<void>());
-  const size_t groups = size_t(K / group_size), elem = scales.itemsize();
+  PackJob job{{row_contiguous(w, cpu), row_contiguous(scales, cpu), row_contiguous(biases, cpu)}, N, K,
+              scale_type(scales.dtype()), 0};
+  job.tile = packed_tile_bytes(K, group_size, job.t);
+  return job;
+}
+
+void run_pack(const PackJob& job, int group_size, uint8_t* out) {
+  const auto* wp = reinterpret_cast<const uint8_t*>(job.parts[0].data<uint32_t>());
+  const auto* sp = static_cast<const uint8_t*>(job.parts[1].data<void>());
+  const auto* bp = static_cast<const uint8_t*>(job.parts[2].data<void>());
+  const size_t groups = size_t(job.K / group_size), elem = job.parts[1].itemsize(), tiles = size_t(job.N / 4);
   auto& pool = ThreadPool::instance();
   const int n = pool.size();
   pool.run(n, [&](int i) {  // each thread its share of the tiles
     const int t0 = int(tiles * i / n), t1 = int(tiles * (i + 1) / n);
-    pack_quad(wp + size_t(4 * t0) * (K / 2), sp + size_t(4 * t0) * groups * elem, bp + size_t(4 * t0) * groups * elem,
-              4 * (t1 - t0), K, group_size, t, out.data<uint8_t>() + size_t(t0) * tile);
+    pack_quad(wp + size_t(4 * t0) * (job.K / 2), sp + size_t(4 * t0) * groups * elem,
+              bp + size_t(4 * t0) * groups * elem, 4 * (t1 - t0), job.K, group_size, job.t,
+              out + size_t(t0) * job.tile);
   });
+}
+
+} // namespace
+
+std::vector<mx::array> pack_quad_matrices(const std::vector<std::vector<mx::array>>& matrices, int group_size) {
+  std::vector<PackJob> jobs;
+  for (const auto& m : matrices) {
+    if (m.size() != 3) {
+      throw std::invalid_argument("[specmlx] pack_quads takes (w, scales, biases) triples");
+    }
+    jobs.push_back(pack_job(m[0], m[1], m[2], group_size));
+  }
+  std::vector<mx::array> out;
+  if (!mapping_unsupported().empty()) {  // not MLX's [size][data] buffers: the allocator's memory
+    for (auto& job : jobs) {
+      mx::eval(job.parts);
+      out.emplace_back(mx::allocator::malloc(job.bytes()), mx::Shape{int(job.bytes())}, mx::uint8);
+      run_pack(job, group_size, out.back().data<uint8_t>());
+    }
+    return out;
+  }
+  std::vector<size_t> at;  // each copy's data offset: 64-byte aligned, its size in front
+  size_t end = 0;
+  for (const auto& job : jobs) {
+    at.push_back(round_up_to(end + sizeof(size_t), 64));
+    end = at.back() + job.bytes();
+  }
+  auto arena = std::make_shared<Arena>();
+  arena->size = round_up_to(end, kHugePage) + kHugePage;  // room to start on a huge page
+  arena->base = mmap(nullptr, arena->size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (arena->base == MAP_FAILED) {
+    throw std::runtime_error("[specmlx] cannot map " + std::to_string(arena->size) + " bytes for packed weights");
+  }
+  auto* start = reinterpret_cast<uint8_t*>(round_up_to(reinterpret_cast<uintptr_t>(arena->base), kHugePage));
+  madvise(start, round_up_to(end, kHugePage), MADV_HUGEPAGE);  // advice: failure is harmless
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    mx::eval(jobs[i].parts);
+    uint8_t* data = start + at[i];
+    const size_t bytes = jobs[i].bytes();
+    std::memcpy(data - sizeof(size_t), &bytes, sizeof(size_t));
+    run_pack(jobs[i], group_size, data);
+    jobs[i].parts.clear();
+    mx::allocator::Data held(mx::allocator::Buffer(data - sizeof(size_t)), [arena](mx::allocator::Buffer) {});
+    out.emplace_back(std::move(held), mx::Shape{int(bytes)}, mx::uint8);
+  }
   return out;
+}
+
+mx::array pack_quad_matrix(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size) {
+  return pack_quad_matrices({{w, scales, biases}}, group_size)[0];
 }
 
 bool reads_packed() {
