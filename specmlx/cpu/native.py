@@ -730,11 +730,11 @@ def pack_layers(module: nn.Module) -> int:
     ]
     for group_size in sorted({layer.group_size for layer in layers}):
         chosen = [layer for layer in layers if layer.group_size == group_size]
-        parts = [(layer["weight"], layer["scales"], layer["biases"]) for layer in chosen]
-        for layer, sources, packed in zip(
-            chosen, parts, _ext.pack_quads([list(p) for p in parts], group_size), strict=True
-        ):
-            object.__setattr__(layer, "_packed", (sources, packed))  # not a parameter: never saved
+        parts = [[layer["weight"], layer["scales"], layer["biases"]] for layer in chosen]
+        packs = _ext.pack_quads(parts, group_size)
+        for layer, sources, packed in zip(chosen, parts, packs, strict=True):
+            # not a parameter: never saved
+            object.__setattr__(layer, "_packed", (tuple(sources), packed))
     return len(layers)
 
 

@@ -659,8 +659,9 @@ constexpr size_t kHugePage = size_t(2) << 20;
 // layers leaves no small copy (q/k/v) and no edge of a copy off huge pages. The allocator's
 // memory advised page by page got ~65% of the 1.5B's packed bytes huge (decode 1.03x against
 // none); this mapping all of them (decode 1.05x and 1.10x against that; loading the pair
-// ~0.2 s slower, the huge pages' faults; bench/results/README.md, round 27). Each copy is laid out as MLX's CPU buffers are, [size_t
-// bytes][data] (see mapped.cpp), so that its array's buffer size is its own.
+// ~0.2 s slower, the huge pages' faults; bench/results/README.md, round 27). Each copy is
+// laid out as MLX's CPU buffers are, [size_t bytes][data] (see mapped.cpp), so that its
+// array's buffer size is its own.
 struct Arena {
   void* base = MAP_FAILED;
   size_t size = 0;
@@ -695,10 +696,9 @@ PackJob pack_job(const mx::array& w, const mx::array& scales, const mx::array& b
     throw std::invalid_argument("[specmlx] pack_quad takes matrices of a multiple of 4 rows");
   }
   const mx::Stream cpu = mx::default_stream(mx::Device::cpu);
-  PackJob job{{row_contiguous(w, cpu), row_contiguous(scales, cpu), row_contiguous(biases, cpu)}, N, K,
-              scale_type(scales.dtype()), 0};
-  job.tile = packed_tile_bytes(K, group_size, job.t);
-  return job;
+  const ScaleType t = scale_type(scales.dtype());
+  return {{row_contiguous(w, cpu), row_contiguous(scales, cpu), row_contiguous(biases, cpu)}, N, K, t,
+          packed_tile_bytes(K, group_size, t)};
 }
 
 void run_pack(const PackJob& job, int group_size, uint8_t* out) {
