@@ -33,17 +33,22 @@ from specmlx.paths import home
 
 LLAMA_CPP_PYTHON = "0.3.36"
 TOOLS = ("llama-bench", "llama-speculative", "llama-speculative-simple", "llama-completion")
-# GGML_NATIVE compiles for this CPU (-march=native); LLAMA_CURL is gone from this version
-# (a deprecation warning), and OpenSSL only serves model downloads, which nothing here does.
-# Static, so the cached binaries need no build tree beside them.
+# LLAMA_CURL is gone from this version (a deprecation warning), and OpenSSL only serves
+# model downloads, which nothing here does. Static, so the cached binaries need no build
+# tree beside them.
 CMAKE_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release",
-    "-DGGML_NATIVE=ON",
     "-DBUILD_SHARED_LIBS=OFF",
     "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
 )
 ISA_PREFIXES = ("avx", "amx", "fma", "f16c")
+# --isa: "native" compiles llama.cpp for this CPU (-march=native) and lets specmlx's kernel
+# pick its best tiles; "avx2" holds both engines to what an AVX2-only CPU (Zen 3, Haswell
+# to Comet Lake) has: ggml without GGML_NATIVE turns on SSE4.2, AVX, AVX2, BMI2, FMA and
+# F16C and leaves AVX-512, AVX-VNNI and AMX off; specmlx runs its AVX2 code (SPECMLX_ISA).
+ISA_BUILDS = {"native": ("-DGGML_NATIVE=ON",), "avx2": ("-DGGML_NATIVE=OFF",)}
+AVX2_NEEDS = ("avx2", "bmi2", "f16c", "fma")
 
 
 def log(msg: str) -> None:
@@ -68,9 +73,12 @@ def isa_flags(flags: list[str]) -> list[str]:
     return [f for f in flags if f.startswith(ISA_PREFIXES)]
 
 
-def build_dir(version: str, flags: list[str]) -> Path:
+def build_dir(version: str, flags: list[str], isa: str = "native") -> Path:
     """Where the build for this llama-cpp-python version on a CPU with `flags` is cached:
-    -march=native code may not run on another CPU, so the flags are part of the name."""
+    -march=native code may not run on another CPU, so the flags are part of the name; the
+    AVX2 build runs on any AVX2 CPU."""
+    if isa != "native":
+        return home() / "llama.cpp" / f"{version}-{isa}"
     digest = hashlib.sha256(" ".join(flags).encode()).hexdigest()[:12]
     return home() / "llama.cpp" / f"{version}-{digest}"
 
@@ -115,8 +123,11 @@ def sdist(version: str) -> Path:
     return folder / name
 
 
-def build_llama_cpp(version: str = LLAMA_CPP_PYTHON, jobs: int = 2) -> tuple[Path, dict]:
-    """(bin dir, build info) of llama.cpp from llama-cpp-python `version`, built if absent.
+def build_llama_cpp(
+    version: str = LLAMA_CPP_PYTHON, jobs: int = 2, isa: str = "native"
+) -> tuple[Path, dict]:
+    """(bin dir, build info) of llama.cpp from llama-cpp-python `version` for `isa` (a key
+    of ISA_BUILDS), built if absent.
 
     Built niced in a temp dir beside the cache and renamed into place when complete, so
     an interrupted build leaves nothing that a later run would take for finished.
@@ -125,7 +136,7 @@ def build_llama_cpp(version: str = LLAMA_CPP_PYTHON, jobs: int = 2) -> tuple[Pat
         if shutil.which(tool) is None:
             raise SpecmlxError(f"building llama.cpp needs {tool}; install it (e.g. apt-get)")
     flags = cpu_flags()
-    out = build_dir(version, flags)
+    out = build_dir(version, flags, isa)
     if (out / "build.json").exists():
         return out / "bin", json.loads((out / "build.json").read_text())
     archive = sdist(version)
@@ -137,7 +148,7 @@ def build_llama_cpp(version: str = LLAMA_CPP_PYTHON, jobs: int = 2) -> tuple[Pat
         (root,) = (work / "src").iterdir()
         commit = vendored_commit((root / "CHANGELOG.md").read_text(), version)
         source = root / "vendor" / "llama.cpp"
-        options = [*CMAKE_OPTIONS, f"-DLLAMA_BUILD_COMMIT={commit or 'unknown'}"]
+        options = [*CMAKE_OPTIONS, *ISA_BUILDS[isa], f"-DLLAMA_BUILD_COMMIT={commit or 'unknown'}"]
         started = time.perf_counter()
         log(f"building llama.cpp {commit} ({', '.join(TOOLS)}) with nice -j{jobs} in {work}")
         steps = [
@@ -154,6 +165,7 @@ def build_llama_cpp(version: str = LLAMA_CPP_PYTHON, jobs: int = 2) -> tuple[Pat
             "build_s": round(time.perf_counter() - started, 1),
             "jobs": jobs,
             "cpu_isa": isa_flags(flags),
+            "isa": isa,
         }
         (work / "out" / "bin").mkdir(parents=True)
         for tool in TOOLS:
@@ -436,6 +448,16 @@ def markdown(result: dict, summary: dict) -> str:
         f"from llama-cpp-python {llama.get('llama_cpp_python')}), mlx {machine['mlx']}, "
         f"specmlx {machine['specmlx']}"
         + ("" if llama.get("repack", True) else "; llama.cpp's weight repacking off (it crashed)"),
+        *(
+            [
+                f"- both engines held to {settings['isa']}: llama.cpp built with "
+                f"{' '.join(ISA_BUILDS[settings['isa']])}, specmlx with SPECMLX_ISA="
+                f"{settings['isa']}; the CPU has more, so this says what each engine's "
+                f"{settings['isa']} code does, not what a CPU without the rest reads"
+            ]
+            if settings.get("isa", "native") != "native"
+            else []
+        ),
         f"- load average (1, 5, 15 min) at start {_loads(machine['load_average'])}, "
         f"at end {_loads(result.get('load_average_end'))}",
         f"- {settings['repeat']} repeat(s), interleaved; {settings['tokens']} tokens; "
@@ -515,6 +537,13 @@ def parse_args(argv: list[str] | None = None):
         "--quick", action="store_true", help="a smoke: 1 repeat, 16 tokens, 1 prompt"
     )
     parser.add_argument("--jobs", type=int, default=2, help="build jobs (default 2)")
+    parser.add_argument(
+        "--isa",
+        choices=sorted(ISA_BUILDS),
+        default="native",
+        help="native: each engine's best code for this CPU (default); avx2: both engines "
+        "held to an AVX2-only CPU's instructions",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.repeat, args.tokens, args.prompts = 1, 16, 1
@@ -533,6 +562,10 @@ def parse_args(argv: list[str] | None = None):
     unknown = [s for s in args.only if s not in SECTIONS]
     if unknown or not args.only:
         raise SpecmlxError(f"--only takes some of {','.join(SECTIONS)}, not {args.only!r}")
+    if args.isa == "avx2":
+        missing = [f for f in AVX2_NEEDS if f not in cpu_flags()]
+        if missing:
+            raise SpecmlxError(f"--isa avx2: this CPU lacks {', '.join(missing)}; use --isa native")
     if args.label is None:
         args.label = time.strftime("%Y%m%d-%H%M")
     if not re.fullmatch(r"[A-Za-z0-9._-]+", args.label):
@@ -848,8 +881,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     # Before specmlx's native kernel is loaded: its thread pool reads this once.
     os.environ["SPECMLX_THREADS"] = str(args.threads)
+    if args.isa != "native":
+        os.environ["SPECMLX_ISA"] = args.isa
     command = " ".join(["python", "bench/llamacpp.py", *(sys.argv[1:] if argv is None else argv)])
-    bin_dir, build = build_llama_cpp(jobs=args.jobs)
+    bin_dir, build = build_llama_cpp(jobs=args.jobs, isa=args.isa)
     ggufs = pair_ggufs()
     int4 = pair_int4()
 
@@ -885,6 +920,7 @@ def main(argv: list[str] | None = None) -> None:
             "draft_max": args.draft_max,
             "temperature": args.temperature,
             "only": args.only,
+            "isa": args.isa,
         },
         "llama_cpp": {
             **build,

@@ -1,7 +1,9 @@
 """The native INT4/INT8 CPU kernel: agreement with MLX, layouts and threads, the fallbacks."""
 
 import json
+import os
 import platform
+import subprocess
 import sys
 
 import mlx.core as mx
@@ -11,6 +13,7 @@ import pytest
 
 import specmlx
 from specmlx.cpu import native
+from specmlx.errors import SpecmlxError
 
 needs_native = pytest.mark.skipif(
     not native.available(), reason=f"native kernel not available: {native.reason()}"
@@ -225,6 +228,44 @@ def test_missing_or_broken_build(tmp_path, monkeypatch):
     assert ext is None and "failed to import" in why
     monkeypatch.setenv("SPECMLX_NATIVE", "0")
     assert native._load(tmp_path) == (None, "disabled by SPECMLX_NATIVE=0")
+
+
+@needs_native
+def test_specmlx_isa_avx2_runs_the_avx2_code_and_packs_nothing():
+    # the AVX2 tiles read the plain layout; on an AVX2-only CPU the same thing is the default
+    code = "from specmlx.cpu import native; print(native._ext.isa(), native._ext.reads_packed())"
+    env = dict(os.environ, SPECMLX_ISA="avx2")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["avx2", "False"]
+
+
+@needs_native
+@pytest.mark.parametrize("value", ["amx", "AVX2"])
+def test_an_unknown_specmlx_isa_stops_model_preparation_in_one_line(value, monkeypatch):
+    monkeypatch.setenv(native.ENV_ISA, value)
+    best = native._ext.isa()
+    problem = native._env_isa()
+    assert problem == f"SPECMLX_ISA must be one of avx512, avx2, scalar, got {value!r}"
+    assert native._ext.isa() == best
+    monkeypatch.setattr(native, "_env_problem", problem)
+    with pytest.raises(SpecmlxError, match="SPECMLX_ISA"):
+        native.patch_model(nn.QuantizedLinear(128, 16))
+
+
+def test_a_specmlx_isa_above_the_cpus_best_names_the_best(monkeypatch):
+    class AvxTwoOnly:
+        def set_isa(self, name):
+            raise ValueError(f"[specmlx] this CPU does not support {name} (best: avx2)")
+
+        def isa(self):
+            return "avx2"
+
+    monkeypatch.setattr(native, "_ext", AvxTwoOnly())
+    monkeypatch.setenv(native.ENV_ISA, "avx512")
+    assert native._env_isa() == (
+        "SPECMLX_ISA=avx512: this CPU's best is avx2; unset it or choose a lower one"
+    )
 
 
 @needs_native

@@ -106,6 +106,21 @@ def test_defaults_are_the_full_run(bench):
     assert (args.threads, args.repeat, args.tokens, args.prompts) == (2, 3, 64, 4)
     assert args.only == ["decode", "prefill", "passes", "spec"]
     assert args.draft_max == [2, 4, 8]
+    assert args.isa == "native"
+
+
+def test_isa_avx2_is_refused_on_a_cpu_without_avx2s_companions(bench, monkeypatch):
+    monkeypatch.setattr(bench, "cpu_flags", lambda: ["avx", "avx2", "fma", "sse4_2"])
+    with pytest.raises(SpecmlxError, match="lacks bmi2, f16c"):
+        bench.parse_args(["--isa", "avx2"])
+    monkeypatch.setattr(bench, "cpu_flags", lambda: ["avx", "avx2", "bmi2", "f16c", "fma"])
+    assert bench.parse_args(["--isa", "avx2"]).isa == "avx2"
+
+
+def test_only_the_native_build_compiles_for_this_cpu(bench):
+    assert bench.ISA_BUILDS["native"] == ("-DGGML_NATIVE=ON",)
+    assert bench.ISA_BUILDS["avx2"] == ("-DGGML_NATIVE=OFF",)  # ggml's default set: AVX2
+    assert not any("NATIVE" in option for option in bench.CMAKE_OPTIONS)
 
 
 def test_sampled_runs_give_both_engines_the_same_seed_and_plain_sampling(bench):
@@ -160,6 +175,8 @@ def test_the_build_is_cached_per_version_and_cpu_flags(bench, monkeypatch, tmp_p
     assert avx2 == bench.build_dir("0.3.36", ["avx2", "fma"])
     assert avx2 != bench.build_dir("0.3.36", ["avx2", "avx512f", "fma"])
     assert avx2 != bench.build_dir("0.3.35", ["avx2", "fma"])
+    held = bench.build_dir("0.3.36", ["avx2", "avx512f", "fma"], "avx2")
+    assert held.name == "0.3.36-avx2" and held != avx2  # runs on any AVX2 CPU
 
 
 def test_the_vendored_commit_is_read_from_the_versions_own_changelog_entry(bench):
@@ -323,6 +340,26 @@ def test_the_markdown_has_one_row_per_engine_and_dashes_for_parts_not_run(bench)
     assert len(rows) == 2
     assert rows[0].startswith("| llama.cpp | 25.0 | – |")
     assert rows[1].startswith("| specmlx | 12.5 | – |")
+    assert "held to" not in text
+
+
+def test_the_markdown_says_when_both_engines_were_held_to_avx2(bench):
+    result = {
+        "label": "t",
+        "command": "python bench/llamacpp.py --isa avx2",
+        "machine": {
+            "lscpu_model": "AMD EPYC",
+            "isa": ["avx2", "avx512f"],
+            "cores": 2,
+            "mlx": "0.32.4",
+            "specmlx": "0.1",
+            "load_average": (0.1, 0.1, 0.1),
+        },
+        "settings": {"threads": 2, "repeat": 1, "tokens": 16, "prompts": 1, "isa": "avx2"},
+    }
+    text = bench.markdown(result, bench.summarize(result))
+    assert "- both engines held to avx2: llama.cpp built with -DGGML_NATIVE=OFF" in text
+    assert "SPECMLX_ISA=avx2" in text
 
 
 # --- llama.cpp's weight repacking

@@ -100,6 +100,24 @@ if _ext is None and _platform_expects_native() and os.environ.get("SPECMLX_NATIV
 if _ext is not None and os.environ.get("SPECMLX_AMX", "1") == "0":
     _ext.set_amx(False)
 
+ENV_ISA = "SPECMLX_ISA"
+ISAS = ("avx512", "avx2", "scalar")
+
+
+def _env_isa() -> str:
+    """Force the kernel's instruction set from SPECMLX_ISA (below the best this CPU has:
+    an AVX-512 machine can run and time the AVX2 code); '' or why the value is bad."""
+    text = os.environ.get(ENV_ISA, "").strip()
+    if not text or _ext is None:
+        return ""
+    if text not in ISAS:
+        return f"{ENV_ISA} must be one of {', '.join(ISAS)}, got {text!r}"
+    try:
+        _ext.set_isa(text)
+    except ValueError:
+        return f"{ENV_ISA}={text}: this CPU's best is {_ext.isa()}; unset it or choose a lower one"
+    return ""
+
 
 def _env_activations() -> tuple[str, str]:
     """(the activations SPECMLX_ACTIVATIONS asks for, or the default; '' or why it is bad)."""
@@ -116,6 +134,7 @@ def _env_activations() -> tuple[str, str]:
 # Read once, here: a bad value is reported when a model is prepared (patch_model), as one
 # line from the CLI, rather than breaking `import specmlx`.
 _activations, _env_problem = _env_activations()
+_env_problem = _env_isa() or _env_problem
 _float32_why = ""  # why a model's load put the kernel on float32 x, if one did
 if _ext is not None and hasattr(_ext, "set_activations"):  # a build from before int8 x lacks it
     _ext.set_activations(_activations)
