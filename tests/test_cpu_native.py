@@ -231,13 +231,14 @@ def test_missing_or_broken_build(tmp_path, monkeypatch):
 
 
 @needs_native
-def test_specmlx_isa_avx2_runs_the_avx2_code_and_packs_nothing():
-    # the AVX2 tiles read the plain layout; on an AVX2-only CPU the same thing is the default
+def test_specmlx_isa_avx2_runs_the_avx2_code_on_the_packed_layout():
+    # the AVX2 four-row tile reads pack_quad's layout too; SPECMLX_ISA=scalar packs nothing
     code = "from specmlx.cpu import native; print(native._ext.isa(), native._ext.reads_packed())"
-    env = dict(os.environ, SPECMLX_ISA="avx2")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["avx2", "False"]
+    for isa, packs in (("avx2", "True"), ("scalar", "False")):
+        env = dict(os.environ, SPECMLX_ISA=isa)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == [isa, packs]
 
 
 @needs_native

@@ -1,6 +1,6 @@
-"""The packed layout of 4-bit weights (native.pack_layers): the four-row AVX-512 VNNI tile
-streams each tile's codes, scales and biases from one buffer, and every product it gives is
-bitwise the one it gives from the separate arrays."""
+"""The packed layout of 4-bit weights (native.pack_layers): the four-row tiles (AVX-512 VNNI
+and AVX2) stream each tile's codes, scales and biases from one buffer, and every product
+they give is bitwise the one they give from the separate arrays, and each other's."""
 
 from pathlib import Path
 
@@ -13,9 +13,11 @@ from specmlx.cpu import native
 
 pytestmark = pytest.mark.skipif(
     not native.available() or not native._ext.reads_packed(),
-    reason="the packed layout is read by the AVX-512 VNNI tiles only, which this CPU lacks",
+    reason="the packed layout is read by the AVX2 and AVX-512 tiles, which this CPU lacks",
 )
 SCALE_TYPES = [mx.float32, mx.float16, mx.bfloat16]
+# the vector ISAs whose four-row tiles read the layout (forced_isa skips one the CPU lacks)
+each_quad_isa = pytest.mark.parametrize("forced_isa", ["avx2", "avx512"], indirect=True)
 
 
 def quantized(n, k, group_size, dtype, seed=0):
@@ -33,7 +35,10 @@ def product(x, w, s, b, group_size, packed=None):
 @pytest.mark.parametrize("dtype", SCALE_TYPES)
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 20])
-def test_packed_products_equal_the_unpacked_bitwise(m, group_size, dtype, int8_activations):
+@each_quad_isa
+def test_packed_products_equal_the_unpacked_bitwise(
+    m, group_size, dtype, forced_isa, int8_activations
+):
     # K = 3 * 64 codes ends in half a 128-code chunk; 520 rows make several ranges a thread;
     # K = 8960 (a 1.5B's down projection) overflows L1, so its tiles prefetch into L2 only
     for n, k in ((20, 3 * max(group_size, 64)), (520, 1536), (20, 8960)):
@@ -45,7 +50,8 @@ def test_packed_products_equal_the_unpacked_bitwise(m, group_size, dtype, int8_a
         assert mx.array_equal(product(x, w, s, b, group_size, packed), unpacked)
 
 
-def test_packed_gated_and_stacked_products_equal_the_unpacked(int8_activations):
+@each_quad_isa
+def test_packed_gated_and_stacked_products_equal_the_unpacked(forced_isa, int8_activations):
     gate, up = quantized(256, 512, 64, mx.bfloat16, 1), quantized(256, 512, 64, mx.bfloat16, 2)
     packs = [native._ext.pack_quad(*gate, 64), native._ext.pack_quad(*up, 64)]
     x = mx.random.normal((5, 512))
@@ -54,6 +60,34 @@ def test_packed_gated_and_stacked_products_equal_the_unpacked(int8_activations):
     mx.eval(gated, stacked)
     assert mx.array_equal(*gated)
     assert all(mx.array_equal(a, b) for a, b in zip(*stacked, strict=True))
+
+
+def vnni512() -> bool:
+    return native._ext.isa() == "avx512" and native._ext.q8_kernel().startswith("vnni512")
+
+
+@pytest.mark.skipif(
+    not native.available() or not vnni512(), reason="needs AVX-512 VNNI to compare with"
+)
+@pytest.mark.parametrize("dtype", SCALE_TYPES)
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_the_avx2_four_row_tile_gives_the_avx512_tiles_bits(group_size, dtype, int8_activations):
+    # the same integer sums and float sequence: an AVX2-only CPU decodes what this one does.
+    # Rows 1..9 (one and several tiles of x), K ending in half a chunk and K overflowing L1,
+    # packed and not
+    try:
+        for n, k in ((20, 3 * max(group_size, 64)), (520, 1536), (20, 8960)):
+            w, s, b = quantized(n, k, group_size, dtype)
+            packed = native._ext.pack_quad(w, s, b, group_size)
+            for m in (1, 2, 3, 4, 5, 9):
+                x = mx.random.normal((m, k), key=mx.random.key(m))
+                outs = []
+                for isa in ("avx512", "avx2"):
+                    native._ext.set_isa(isa)
+                    outs += [product(x, w, s, b, group_size, p) for p in (None, packed)]
+                assert all(mx.array_equal(o, outs[0]) for o in outs[1:]), (n, k, m)
+    finally:
+        native._ext.set_isa("avx512")
 
 
 def test_a_packed_array_of_another_matrix_is_refused(int8_activations):
@@ -65,8 +99,9 @@ def test_a_packed_array_of_another_matrix_is_refused(int8_activations):
         native._ext.pack_quad(*quantized(6, 512, 64, mx.float16), 64)
 
 
+@each_quad_isa
 def test_a_loaded_model_is_packed_and_decodes_as_unpacked(
-    model_dirs, tmp_path, int8_activations, monkeypatch
+    model_dirs, tmp_path, forced_isa, int8_activations, monkeypatch
 ):
     # every 4-bit linear layer packed at load; logits of a 9-token pass (two row tiles) and
     # greedy tokens exactly those of the same model unpacked

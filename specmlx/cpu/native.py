@@ -354,8 +354,8 @@ class NativeQuantizedLinear(nn.QuantizedLinear):
     a float32 product takes its bias in the same op (the same one rounding as y + bias,
     without the three graph nodes MLX's add of a half bias makes).
 
-    `packed_tiles`: pack_layers' copy of the weights in the layout the four-row AVX-512
-    tile streams, or None; None too once the weight, scales or biases it was made from are
+    `packed_tiles`: pack_layers' copy of the weights in the layout the four-row tiles
+    stream, or None; None too once the weight, scales or biases it was made from are
     replaced, so a stale copy is never read."""
 
     _packed: tuple | None = None  # ((weight, scales, biases) packed, the copy): not a parameter
@@ -724,10 +724,11 @@ def packed_of(layers: list[nn.Module]) -> list[mx.array]:
 
 
 def pack_layers(module: nn.Module) -> int:
-    """Lay each kernel-patched 4-bit linear layer's weights out as the four-row AVX-512 VNNI
-    tile reads them: per tile of four rows, its codes, scales and biases in one stream
-    instead of twelve, which the prefetchers follow better (whole decode 1.11-1.18x:
-    bench/results/README.md, round 25). Only where those tiles run (int8 x on AVX-512 VNNI),
+    """Lay each kernel-patched 4-bit linear layer's weights out as the four-row tiles read
+    them: per tile of four rows, its codes, scales and biases in one stream instead of
+    twelve, which the prefetchers follow better (whole decode 1.11-1.18x on AVX-512 VNNI,
+    bench/results/README.md, round 25; AVX2 1.07x, round 29). Only where those tiles run
+    (int8 x on AVX-512 VNNI or AVX2),
     unless SPECMLX_PACK=0. The packed copy is private memory beside the mapped weights,
     which the other paths (float32 x, AMX prefill, MLX's fallback) still read. The values
     are the same, so each product's result is too, bitwise. Returns how many were packed."""

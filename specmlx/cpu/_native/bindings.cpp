@@ -309,7 +309,7 @@ NB_MODULE(_ext, m) {
       "scales"_a,
       "biases"_a,
       "group_size"_a = 64,
-      "A 4-bit matrix (N a multiple of 4) laid out for the four-row AVX-512 tile: each tile's "
+      "A 4-bit matrix (N a multiple of 4) laid out for the four-row tiles: each tile's "
       "codes, scales and biases in one stream (uint8, computed now).");
   m.def(
       "pack_quads",

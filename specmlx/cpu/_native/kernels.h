@@ -110,7 +110,7 @@ struct QmmJob {
   const float* xdt = nullptr;   // per 16 rows and block: the 16 rows' scales
   const float* xst = nullptr;   // per 16 rows and group (ldg of them): the 16 rows' sums
   // the matrix as pack_quad laid it out, or null: read instead of w, scales and biases by
-  // the four-row AVX-512 tile (4 bits), which then takes four adjacent rows a tile
+  // the four-row tiles (4 bits, AVX-512 VNNI or AVX2), which then take four adjacent rows a tile
   const uint8_t* packed = nullptr;
 };
 
@@ -148,7 +148,7 @@ int q8_row_groups(int K, int group_size);  // ldg
 // rows quantized with it.
 void quantize_row_q8(const float* x, int K, int group_size, int bits, Isa isa, int8_t* q, float* d, float* s);
 
-// A 4-bit matrix (N a multiple of 4) laid out for the four-row AVX-512 tile: per tile of
+// A 4-bit matrix (N a multiple of 4) laid out for the four-row tiles: per tile of
 // rows 4t..4t+3, each 128-code chunk's codes (64 bytes a row, zero-padded) and then its
 // scales (row-major, per_chunk = max(1, 128 / group_size) a row), and after the last chunk
 // the biases, 16 per four groups (row r's group g + q at 4q + r), zero past the last group;
@@ -157,8 +157,8 @@ size_t packed_tile_bytes(int K, int group_size, ScaleType t);
 void pack_quad(const uint8_t* w, const uint8_t* scales, const uint8_t* biases, int N, int K, int group_size,
                ScaleType t, uint8_t* out);
 
-// Whether 4-bit products on int8 x run on the four-row AVX-512 VNNI tile under isa: the
-// tile that reads pack_quad's layout.
+// Whether 4-bit products on int8 x run on a four-row tile under isa (AVX-512 VNNI or
+// AVX2; scalar: no): the tiles that read pack_quad's layout.
 bool quad_tiles(Isa isa);
 
 // Output rows [n0, n1) for all M rows of the quantized x; 4, 6 or 8 bits.

@@ -10,7 +10,7 @@
 // quantized (quantize_row_q8).
 //
 // 4-bit layout: a weight row is K/2 bytes, byte i holding codes 2i (low nibble) and 2i + 1
-// (high). The tiles take a chunk of bytes at a time (64 = 128 codes on AVX-512, 32 on AVX2),
+// (high). The tiles take a chunk of bytes at a time (64 = 128 codes; AVX2 in two halves),
 // mask the low nibbles into one register and the high nibbles into another; x is packed so
 // that the same chunk of q holds the even-k codes, then the odd-k ones. An int32 lane then
 // sums the products for 8 consecutive k, whose scales are known: the d of its 32-block and
@@ -19,10 +19,10 @@
 // 8-bit layout: a weight row is K bytes in k order, and so is q. A chunk is 64 bytes on
 // AVX-512 (one vpdpbusd: lanes of 4 consecutive k) and 32 on AVX2 (one x block).
 //
-// Tiles: AVX-512 VNNI takes four output rows a tile for 4 bits (two for 8); from 16 rows
-// of x on, 4-bit passes go to the AMX tile where the CPU has one (amx.cpp), which repeats
-// the four-row tile's float sequence on the same exact integer sums. AVX2 and scalar take
-// two output rows.
+// Tiles: AVX-512 VNNI and AVX2 take four output rows a tile for 4 bits (two for 8 and 6),
+// both the same float sequence on the same exact integer sums; from 16 rows of x on, 4-bit
+// passes go to the AMX tile where the CPU has one (amx.cpp), which repeats it too. Scalar
+// takes two output rows.
 //
 // Every row of x runs the same operations in the same order whatever the tile's other rows
 // are, so a row's result does not depend on M, nor (rows are split, sums are not) on threads.
@@ -76,7 +76,8 @@ using TileFn = void (*)(const QmmJob&, int n0, int n1, int m0);
 // tile that does so little a cache line, and the prefetch instructions cost more than
 // they bring (1.04-1.16x from DRAM at M = 1, whole one-token passes 1.07x; the packed
 // tile without them at M = 2 and 4: 0.7-0.9x; bench/results/README.md, round 27). The
-// AVX2 tile still asks at M = 1 (without: 0.92x), as does the unpacked four-row tile.
+// AVX2 two-row tile (8 and 6 bits) still asks at M = 1 (without: 0.92x), as does the
+// unpacked four-row tile.
 constexpr int kPrefetchBytes = 4 << 10;
 constexpr int kPackedPrefetchBytes = 4 << 10;  // one stream per tile: its own distance
 constexpr int kPrefetchRows = 2;  // the fewest rows of x an AVX-512 tile prefetches for
@@ -564,24 +565,14 @@ SPECMLX_VNNI512 void tile4_q8_vnni512(const QmmJob& j, const int (&n)[4], int m0
 }
 
 // ---------------------------------------------------------------------------------------
-// AVX2: a chunk is 32 bytes (4 bits: 64 codes). maddubs multiplies u8 codes by s8 codes and
-// adds neighbours into int16 (at most 2 * 15 * 127, and low + high nibbles at most twice
-// that: no saturation), madd with ones adds neighbouring int16 into the same 8-code int32
-// lanes as vpdpbusd. 8-bit codes would saturate maddubs (2 * 255 * 127 > 32767), so there a
-// chunk (32 codes, one x block) is widened to int16, codes and q alike, and madd sums pairs
-// into int32 (at most 2 * 255 * 127): lanes of 4-code sums after adding the two halves.
-// Only 16 ymm registers: 2 * 4 accumulators.
+// AVX2. 4 bits: 32 bytes (64 codes) of a row at a time; maddubs multiplies u8 codes by s8
+// codes and adds neighbours into int16 (at most 2 * 15 * 127, and low + high nibbles at
+// most twice that: no saturation), madd with ones adds neighbouring int16 into the same
+// 8-code int32 lanes as vpdpbusd. 8-bit codes would saturate maddubs (2 * 255 * 127 >
+// 32767), so there a chunk (32 codes, one x block) is widened to int16, codes and q alike,
+// and madd sums pairs into int32 (at most 2 * 255 * 127): lanes of 4-code sums after adding
+// the two halves. Only 16 ymm registers: the two-row tile keeps 2 * 4 accumulators.
 constexpr int kAvx2MaxRows = 4;
-
-template <int GS>
-SPECMLX_AVX2_Q8 inline __attribute__((always_inline)) __m256 lane_scales256(const void* p, size_t i, ScaleType t, int count) {
-  if constexpr (GS == 32) {
-    const float hi = count > 1 ? scale_f16c(p, i + 1, t) : 0.0f;
-    return _mm256_setr_m128(_mm_set1_ps(scale_f16c(p, i, t)), _mm_set1_ps(hi));
-  } else {
-    return _mm256_set1_ps(scale_f16c(p, i, t));
-  }
-}
 
 // As halves8_512, without masked loads: a partial step (a row's last) goes through memory.
 SPECMLX_AVX2_Q8 inline __attribute__((always_inline)) __m256 biases8_256(const void* p, size_t i, ScaleType t, int count) {
@@ -600,11 +591,6 @@ SPECMLX_AVX2_Q8 inline float hsum256(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
-}
-
-SPECMLX_AVX2_Q8 inline __m256i load_chunk32(const uint8_t* p, bool full) {
-  const __m128i low = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)) : _mm256_zextsi128_si256(low);
 }
 
 // 6 bits: a chunk's 24 bytes (32 codes) as int16 in k order, codes 0-15 and 16-31: the
@@ -636,19 +622,206 @@ SPECMLX_AVX2_Q8 inline __attribute__((always_inline)) void widen6_chunk(
   hi = widen6_half(p + 8, second);
 }
 
-// ST, the scales' type, a template parameter: see halves8_512. 6 bits run as 8 once widened.
+// The four-row tile on AVX2, for 4-bit weights (packed or not): the same integer sums and
+// the same float sequence as tile4_q8_vnni512 (above), so the same results, bitwise. A
+// 128-code chunk runs as two halves of 32 bytes a row; half h holds blocks 2h and 2h + 1,
+// whose lanes 4q + r are lanes 0..7 (h = 0) and 8..15 (h = 1) of the AVX-512 tile's
+// accumulator: acc[m][h] is that half of it, and the last step adds the halves as the
+// AVX-512 tile adds its 256-bit halves. One packed stream a tile instead of the two-row
+// tile's four (two rows of codes, two of scales) and a lane reduction before the float
+// work: half the float operations a code.
+constexpr int kAvx2QuadMaxRows = 4;  // 2 accumulators a row of x, 8 code registers
+
+// n (4, 8 or 16) values of type ST from p as floats, exactly: v[0] takes values 0..7 (0..3
+// of 4 in its low half), v[1] values 8..15.
+template <ScaleType ST, int N>
+SPECMLX_AVX2_Q8 inline __attribute__((always_inline)) void values256(const uint8_t* p, __m256 (&v)[2]) {
+  if constexpr (N == 4) {
+    if constexpr (ST == ScaleType::f32) {
+      v[0] = _mm256_castps128_ps256(_mm_loadu_ps(reinterpret_cast<const float*>(p)));
+    } else {
+      const __m128i h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+      v[0] = _mm256_castps128_ps256(ST == ScaleType::f16 ? _mm_cvtph_ps(h)
+                                                        : _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16)));
+    }
+  } else {
+    #pragma GCC unroll 2
+    for (int i = 0; i < N / 8; ++i) {
+      if constexpr (ST == ScaleType::f32) {
+        v[i] = _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8 * i);
+      } else {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p) + i);
+        v[i] = ST == ScaleType::f16 ? _mm256_cvtph_ps(h)
+                                    : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+      }
+    }
+  }
+}
+
+// Half h of a chunk's scale register: lane 4q' + r takes row r's scale for block 2h + q'
+// (block_lanes' index r * PerRow + q * 32 / GS), picked from values256's two registers.
+template <int GS, int PerRow>
+SPECMLX_AVX2_Q8 inline __attribute__((always_inline)) __m256 half_lanes(const __m256 (&v)[2], int h) {
+  alignas(32) static constexpr std::array<std::array<int32_t, 8>, 2> index = [] {
+    std::array<std::array<int32_t, 8>, 2> a{};
+    for (int half = 0; half < 2; ++half) {
+      for (int q = 0; q < 2; ++q) {
+        for (int r = 0; r < 4; ++r) {
+          a[half][4 * q + r] = r * PerRow + (2 * half + q) * 32 / GS;
+        }
+      }
+    }
+    return a;
+  }();
+  const __m256i i = _mm256_load_si256(reinterpret_cast<const __m256i*>(index[h].data()));
+  if constexpr (4 * PerRow <= 8) {
+    return _mm256_permutevar8x32_ps(v[0], i);
+  } else {  // 16 values: lanes whose index is 8 or more come from v[1]
+    const __m256i seven = _mm256_set1_epi32(7);
+    const __m256 from_hi = _mm256_castsi256_ps(_mm256_cmpgt_epi32(i, seven));
+    const __m256i at = _mm256_and_si256(i, seven);
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(v[0], at), _mm256_permutevar8x32_ps(v[1], at), from_hi);
+  }
+}
+
+// Lanes 4q' + r of half h: value 2h + q' of four, for every r (a chunk's x scales, or four
+// groups' x sums).
+SPECMLX_AVX2_Q8 inline __attribute__((always_inline)) __m256 spread_half(const float* p, int h) {
+  const __m256i i = h == 0 ? _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1) : _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(p)), i);
+}
+
+template <int MT, int GS, ScaleType ST, bool PACKED, Stream S = Stream::l1>
+SPECMLX_AVX2_Q8 void tile4_q8_avx2(const QmmJob& j, const int (&n)[4], int m0) {
+  constexpr _mm_hint kHint = S == Stream::l1 ? _MM_HINT_T0 : _MM_HINT_T1;
+  constexpr int kCodes = 128, kBytes = 64, kGroups = std::max(1, kCodes / GS);
+  constexpr int kChunkBytes = packed_chunk_bytes(GS, ST);
+  const int bytes = j.K / 2, groups = j.K / GS;
+  const int chunks = (j.K + kCodes - 1) / kCodes;
+  const int tail = bytes - (chunks - 1) * kBytes;  // bytes in the last chunk, 16..64
+  const uint8_t* w[4];
+  size_t s[4];
+  for (int r = 0; r < 4; ++r) {
+    w[r] = reinterpret_cast<const uint8_t*>(j.w) + size_t(n[r]) * bytes;
+    s[r] = size_t(n[r]) * groups;
+  }
+  const uint8_t* pk = PACKED ? j.packed + size_t(n[0] / 4) * packed_tile_bytes(j.K, GS, ST) : nullptr;
+  const int8_t* xq = j.xq + size_t(m0) * j.ldq;
+  const float* xd = j.xd + size_t(m0) * j.ldd;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+
+  __m256 acc[MT][2];
+  #pragma GCC unroll 8
+  for (int m = 0; m < MT; ++m) {
+    acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  }
+  for (int c = 0; c < chunks; ++c) {
+    __m256 sv[2];
+    if constexpr (PACKED) {
+      const uint8_t* p = pk + size_t(c) * kChunkBytes;
+      if constexpr (MT >= kPrefetchRows) {
+        for (int r = 0; r < 5; ++r) {  // the four rows' codes, then the scales
+          _mm_prefetch(reinterpret_cast<const char*>(p) + r * kBytes + kPackedPrefetchBytes, kHint);
+        }
+      }
+      values256<ST, 4 * kGroups>(p + 4 * kBytes, sv);
+    } else {  // the packed chunk's values, gathered from the rows
+      alignas(32) float v[16] = {};
+      const int g0 = c * kCodes / GS, count = std::min(kGroups, groups - g0);
+      for (int r = 0; r < 4; ++r) {
+        const auto row = scales_from<kGroups>(j.scales, s[r] + g0, ST, count);
+        std::copy(row.begin(), row.end(), v + r * kGroups);
+        _mm_prefetch(reinterpret_cast<const char*>(w[r] + c * kBytes) + kPrefetchBytes, _MM_HINT_T0);
+      }
+      sv[0] = _mm256_load_ps(v);
+      sv[1] = _mm256_load_ps(v + 8);
+    }
+    #pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m256i lo[4], hi[4];
+      #pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
+        __m256i b;
+        if constexpr (PACKED) {  // codes zero-padded to whole chunks
+          b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pk + size_t(c) * kChunkBytes + r * kBytes + 32 * h));
+        } else {
+          const int have = c + 1 < chunks ? 32 : std::clamp(tail - 32 * h, 0, 32);
+          const uint8_t* p = w[r] + c * kBytes + 32 * h;
+          b = have == 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+              : have == 16 ? _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))
+                           : _mm256_setzero_si256();
+        }
+        lo[r] = _mm256_and_si256(b, low4);
+        hi[r] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+      }
+      const __m256 sc = half_lanes<GS, kGroups>(sv, h);
+      #pragma GCC unroll 8
+      for (int m = 0; m < MT; ++m) {
+        const int8_t* qm = xq + size_t(m) * j.ldq + c * kCodes + 32 * h;
+        const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qm));
+        const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qm + kBytes));
+        __m256i i[4];
+        #pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) {  // int32 lanes of 8 codes; lanes 0..3 block 2h, 4..7 block 2h + 1
+          i[r] = _mm256_madd_epi16(
+              _mm256_add_epi16(_mm256_maddubs_epi16(lo[r], xl), _mm256_maddubs_epi16(hi[r], xh)), ones);
+        }
+        const __m256i t01 = _mm256_add_epi32(_mm256_unpacklo_epi32(i[0], i[1]), _mm256_unpackhi_epi32(i[0], i[1]));
+        const __m256i t23 = _mm256_add_epi32(_mm256_unpacklo_epi32(i[2], i[3]), _mm256_unpackhi_epi32(i[2], i[3]));
+        const __m256i sums = _mm256_add_epi32(_mm256_unpacklo_epi64(t01, t23), _mm256_unpackhi_epi64(t01, t23));
+        const __m256 dm = spread_half(xd + size_t(m) * j.ldd + c * kCodes / kQ8Block, h);
+        acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(sc, dm), acc[m][h]);
+      }
+    }
+  }
+  // The bias term, four groups a step: lane 4q + r takes row r's group g + q.
+  for (int g = 0; g < groups; g += 4) {
+    __m256 bv[2];
+    if constexpr (PACKED) {
+      values256<ST, 16>(pk + size_t(chunks) * kChunkBytes + size_t(g / 4) * 16 * scale_bytes(ST), bv);
+    } else {
+      alignas(32) float v[16] = {};
+      for (int q = 0; q < 4 && g + q < groups; ++q) {
+        for (int r = 0; r < 4; ++r) {
+          v[4 * q + r] = scale_f16c(j.biases, s[r] + g + q, ST);
+        }
+      }
+      bv[0] = _mm256_load_ps(v);
+      bv[1] = _mm256_load_ps(v + 8);
+    }
+    #pragma GCC unroll 8
+    for (int m = 0; m < MT; ++m) {
+      const float* xs = j.xs + size_t(m0 + m) * j.ldg + g;
+      acc[m][0] = _mm256_fmadd_ps(bv[0], spread_half(xs, 0), acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(bv[1], spread_half(xs, 1), acc[m][1]);
+    }
+  }
+  #pragma GCC unroll 8
+  for (int m = 0; m < MT; ++m) {
+    const __m256 h = _mm256_add_ps(acc[m][0], acc[m][1]);
+    const __m128 f = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    alignas(16) float out[4];
+    _mm_store_ps(out, f);
+    float* y = j.y + size_t(m0 + m) * j.N;
+    for (int r = 0; r < 4; ++r) {
+      y[n[r]] = out[r];
+    }
+  }
+}
+
+// The two-row tile for 8 and 6 bits. ST, the scales' type, a template parameter: see
+// halves8_512. 6 bits run as 8 once widened.
 template <int MT, int GS, int BITS, ScaleType ST>
 SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n0, int n1, int m0) {
-  constexpr int kCodes = BITS == 4 ? 64 : 32, kBytes = kCodes * BITS / 8;
+  static_assert(BITS == 6 || BITS == 8, "4 bits run on tile4_q8_avx2");
+  constexpr int kCodes = 32, kBytes = kCodes * BITS / 8;
   const int bytes = j.K * BITS / 8, groups = j.K / GS;
-  const int chunks = (j.K + kCodes - 1) / kCodes;
-  const bool full_tail = bytes - (chunks - 1) * kBytes == kBytes;  // else 16 bytes
+  const int chunks = j.K / kCodes;  // K is a multiple of a group
   const uint8_t* w0 = reinterpret_cast<const uint8_t*>(j.w) + size_t(n0) * bytes;
   const uint8_t* w1 = reinterpret_cast<const uint8_t*>(j.w) + size_t(n1) * bytes;
   const size_t s0 = size_t(n0) * groups, s1 = size_t(n1) * groups;
   const int8_t* xq = j.xq + size_t(m0) * j.ldq;
   const float* xd = j.xd + size_t(m0) * j.ldd;
-  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const __m256i six_lo = _mm256_setr_m128i(six_windows(0), six_windows(6));
   const __m256i six_hi = _mm256_setr_m128i(six_windows(4), six_windows(10));
 
@@ -659,55 +832,34 @@ SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n0, int n1, int m0) {
     acc1[m] = _mm256_setzero_ps();
   }
   for (int c = 0; c < chunks; ++c) {
-    const bool full = c + 1 < chunks || full_tail;
-    if (c % 2 == 0) {  // a cache line is two chunks
+    if (c % 2 == 0) {  // a cache line is two chunks (8 bits; 6 bits: a little less)
       prefetch_streams<2 * kBytes>(w0, w1, c / 2);
     }
-    // Two registers of codes per row: 4 bits, the low and the high nibbles; 8 and 6 bits,
-    // the chunk's first and last 16 codes widened to int16.
+    // Two registers of codes per row: the chunk's first and last 16 codes widened to int16.
     __m256i lo0, hi0, lo1, hi1;
     if constexpr (BITS == 6) {  // K is a multiple of 32 (of a group): every chunk is full
       widen6_chunk(w0 + c * kBytes, six_lo, six_hi, lo0, hi0);
       widen6_chunk(w1 + c * kBytes, six_lo, six_hi, lo1, hi1);
     } else {
-      const __m256i b0 = load_chunk32(w0 + c * kBytes, full), b1 = load_chunk32(w1 + c * kBytes, full);
-      if constexpr (BITS == 4) {
-        lo0 = _mm256_and_si256(b0, low4);
-        hi0 = _mm256_and_si256(_mm256_srli_epi16(b0, 4), low4);
-        lo1 = _mm256_and_si256(b1, low4);
-        hi1 = _mm256_and_si256(_mm256_srli_epi16(b1, 4), low4);
-      } else {
-        lo0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(b0));
-        hi0 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(b0, 1));
-        lo1 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(b1));
-        hi1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(b1, 1));
-      }
+      const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + c * kBytes));
+      const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w1 + c * kBytes));
+      lo0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(b0));
+      hi0 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(b0, 1));
+      lo1 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(b1));
+      hi1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(b1, 1));
     }
-    const int g0 = c * kCodes / GS, count = std::min(std::max(1, kCodes / GS), groups - g0);
-    // 8 and 6 bits: one group per chunk, so lane_scales256<64> (one scale for all lanes) fits
-    const __m256 sc0 = lane_scales256<BITS == 4 ? GS : 64>(j.scales, s0 + g0, ST, count);
-    const __m256 sc1 = lane_scales256<BITS == 4 ? GS : 64>(j.scales, s1 + g0, ST, count);
+    // one group per chunk: one scale for all lanes
+    const __m256 sc0 = _mm256_set1_ps(scale_f16c(j.scales, s0 + c * kCodes / GS, ST));
+    const __m256 sc1 = _mm256_set1_ps(scale_f16c(j.scales, s1 + c * kCodes / GS, ST));
     #pragma GCC unroll 16
     for (int m = 0; m < MT; ++m) {
       const int8_t* q = xq + size_t(m) * j.ldq + c * kCodes;
       const float* dm = xd + size_t(m) * j.ldd + c * kCodes / kQ8Block;  // the chunk's blocks
-      __m256i i0, i1;
-      __m256 d;
-      if constexpr (BITS == 4) {
-        const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-        const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + kBytes));
-        d = _mm256_setr_m128(_mm_set1_ps(dm[0]), _mm_set1_ps(dm[1]));
-        const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xl), _mm256_maddubs_epi16(hi0, xh));
-        const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xl), _mm256_maddubs_epi16(hi1, xh));
-        i0 = _mm256_madd_epi16(p0, ones);
-        i1 = _mm256_madd_epi16(p1, ones);
-      } else {
-        const __m256i xl = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-        const __m256i xh = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
-        d = _mm256_set1_ps(dm[0]);
-        i0 = _mm256_add_epi32(_mm256_madd_epi16(lo0, xl), _mm256_madd_epi16(hi0, xh));
-        i1 = _mm256_add_epi32(_mm256_madd_epi16(lo1, xl), _mm256_madd_epi16(hi1, xh));
-      }
+      const __m256i xl = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+      const __m256i xh = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
+      const __m256 d = _mm256_set1_ps(dm[0]);
+      const __m256i i0 = _mm256_add_epi32(_mm256_madd_epi16(lo0, xl), _mm256_madd_epi16(hi0, xh));
+      const __m256i i1 = _mm256_add_epi32(_mm256_madd_epi16(lo1, xl), _mm256_madd_epi16(hi1, xh));
       acc0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(sc0, d), acc0[m]);
       acc1[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(sc1, d), acc1[m]);
     }
@@ -740,9 +892,15 @@ template <int MT, int GS, int BITS, bool VBMI>
 void run_vnni512(const QmmJob& j, int n0, int n1, int m0) {
   with_scale_type(j.stype, [&](auto st) { tile_q8_vnni512<MT, GS, BITS, st.value, VBMI>(j, n0, n1, m0); });
 }
-template <int MT, int GS, bool PACKED, Stream S>
+template <int MT, int GS, bool PACKED, Stream S, bool AVX2>
 void run_quad(const QmmJob& j, const int (&n)[4], int m0) {
-  with_scale_type(j.stype, [&](auto st) { tile4_q8_vnni512<MT, GS, st.value, PACKED, S>(j, n, m0); });
+  with_scale_type(j.stype, [&](auto st) {
+    if constexpr (AVX2) {
+      tile4_q8_avx2<MT, GS, st.value, PACKED, S>(j, n, m0);
+    } else {
+      tile4_q8_vnni512<MT, GS, st.value, PACKED, S>(j, n, m0);
+    }
+  });
 }
 template <int MT, int GS, int BITS>
 void run_avx2(const QmmJob& j, int n0, int n1, int m0) {
@@ -773,17 +931,22 @@ TileFn pick_vnni512(int group_size, int mt) {
 }
 
 using QuadFn = void (*)(const QmmJob&, const int (&)[4], int m0);
-template <int GS, bool PACKED, Stream S, int... MT>
+template <int GS, bool PACKED, Stream S, bool AVX2, int... MT>
 constexpr std::array<QuadFn, sizeof...(MT)> quad_tiles(std::integer_sequence<int, MT...>) {
-  return {&run_quad<MT + 1, GS, PACKED, S>...};
+  return {&run_quad<MT + 1, GS, PACKED, S, AVX2>...};
 }
-template <bool PACKED, Stream S = Stream::l1>
+template <bool PACKED, Stream S, bool AVX2>
 QuadFn pick_quad(int group_size, int mt) {
-  using Seq = std::make_integer_sequence<int, kQuadMaxRows>;
-  static constexpr auto g32 = quad_tiles<32, PACKED, S>(Seq{});
-  static constexpr auto g64 = quad_tiles<64, PACKED, S>(Seq{});
-  static constexpr auto g128 = quad_tiles<128, PACKED, S>(Seq{});
+  using Seq = std::make_integer_sequence<int, AVX2 ? kAvx2QuadMaxRows : kQuadMaxRows>;
+  static constexpr auto g32 = quad_tiles<32, PACKED, S, AVX2>(Seq{});
+  static constexpr auto g64 = quad_tiles<64, PACKED, S, AVX2>(Seq{});
+  static constexpr auto g128 = quad_tiles<128, PACKED, S, AVX2>(Seq{});
   return (group_size == 32 ? g32 : group_size == 64 ? g64 : g128)[mt - 1];
+}
+// The four-row tile for the ISA its q8 tiles run (tiles: avx512 or avx2).
+template <bool PACKED, Stream S = Stream::l1>
+QuadFn pick_quad(Isa tiles, int group_size, int mt) {
+  return tiles == Isa::avx2 ? pick_quad<PACKED, S, true>(group_size, mt) : pick_quad<PACKED, S, false>(group_size, mt);
 }
 
 template <int BITS>
@@ -891,8 +1054,8 @@ int q8_chunk(Isa isa) {
   switch (q8_isa(isa)) {
     case Isa::avx512:
       return 128;
-    case Isa::avx2:
-      return 64;
+    case Isa::avx2:  // the four-row tile's layout, two halves at a time
+      return 128;
     case Isa::scalar:
       return 1;
   }
@@ -986,7 +1149,7 @@ void pack_quad(const uint8_t* w, const uint8_t* scales, const uint8_t* biases, i
 }
 
 bool quad_tiles(Isa isa) {
-  return q8_isa(isa) == Isa::avx512;
+  return q8_isa(isa) != Isa::scalar;
 }
 
 void qmm_rows_q8(Isa isa, const QmmJob& j, int n0, int n1) {
@@ -995,7 +1158,7 @@ void qmm_rows_q8(Isa isa, const QmmJob& j, int n0, int n1) {
   }
   const Isa tiles = q8_isa(isa);
   const bool quad = quad_tiles(isa) && j.bits == 4;
-  const int tile_rows = quad ? kQuadMaxRows
+  const int tile_rows = quad ? (tiles == Isa::avx2 ? kAvx2QuadMaxRows : kQuadMaxRows)
       : tiles == Isa::avx512 ? kVnniMaxRows
       : tiles == Isa::avx2   ? kAvx2MaxRows
                              : kScalarMaxRows;
@@ -1023,8 +1186,8 @@ void qmm_rows_q8(Isa isa, const QmmJob& j, int n0, int n1) {
     for (int m0 = 0; m0 < j.M; m0 += tile_rows) {
       const int mt = std::min(tile_rows, j.M - m0);
       if (quad && j.packed != nullptr) {  // tiles of four adjacent rows, one stream each
-        const QuadFn tile = packed_stream(j, mt) == Stream::l1 ? pick_quad<true, Stream::l1>(j.group_size, mt)
-                                                               : pick_quad<true, Stream::l2>(j.group_size, mt);
+        const QuadFn tile = packed_stream(j, mt) == Stream::l1 ? pick_quad<true, Stream::l1>(tiles, j.group_size, mt)
+                                                               : pick_quad<true, Stream::l2>(tiles, j.group_size, mt);
         for (int a = nb; a < nb_end; a += 4) {
           tile(j, {a, a + 1, a + 2, a + 3}, m0);
         }
@@ -1036,7 +1199,7 @@ void qmm_rows_q8(Isa isa, const QmmJob& j, int n0, int n1) {
           for (int r = 0; r < 4; ++r) {
             n[r] = a + r * part < nb_end ? a + r * part : a;
           }
-          pick_quad<false>(j.group_size, mt)(j, n, m0);
+          pick_quad<false>(tiles, j.group_size, mt)(j, n, m0);
           continue;
         }
         const int b = a + part < nb_end ? a + part : a;  // a lone middle row of an odd block
@@ -1045,7 +1208,7 @@ void qmm_rows_q8(Isa isa, const QmmJob& j, int n0, int n1) {
             (j.bits == 6 ? pick_vnni512<6> : pick_vnni512<8>)(j.group_size, mt)(j, a, b, m0);
             break;
           case Isa::avx2:
-            (j.bits == 4 ? pick_avx2<4> : j.bits == 6 ? pick_avx2<6> : pick_avx2<8>)(j.group_size, mt)(j, a, b, m0);
+            (j.bits == 6 ? pick_avx2<6> : pick_avx2<8>)(j.group_size, mt)(j, a, b, m0);
             break;
           case Isa::scalar:
             tile_q8_scalar(j, a, b, m0, mt);

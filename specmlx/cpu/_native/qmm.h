@@ -63,14 +63,14 @@ std::vector<mx::array> stacked_matmul(
     mx::StreamOrDevice s = {});
 
 // A 4-bit matrix's (w, scales, biases), N a multiple of 4, laid out for the four-row
-// AVX-512 tile (pack_quad in kernels.h: each tile's codes, scales and biases one stream),
+// tiles (pack_quad in kernels.h: each tile's codes, scales and biases one stream),
 // as a 1-D uint8 array, computed now.
 mx::array pack_quad_matrix(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size);
 // The same for several matrices (w, scales, biases) of one group size, in one mapping
 // asked for huge pages (what native.pack_layers takes a model's layers through).
 std::vector<mx::array> pack_quad_matrices(const std::vector<std::vector<mx::array>>& matrices, int group_size);
 
-// Whether the int8 tiles the ISA runs now read pack_quad's layout (four-row AVX-512 VNNI).
+// Whether the int8 tiles the ISA runs now read pack_quad's layout (four-row AVX-512 VNNI or AVX2).
 bool reads_packed();
 
 // Throws unless packed is empty or holds pack_quad's array for each (w, scales, biases)
