@@ -175,11 +175,22 @@ class Session:
     @property
     def cost_key(self) -> str:
         """Costs depend on both models, their dtype, the draft's head (a sub-vocabulary
-        makes its pass cheaper) and the backend (and its kernels, compiled or not)."""
+        makes its pass cheaper) and the backend (and its kernels, compiled or not, and
+        which build of them)."""
+        return f"{self.cost_kernels}{self.cost_build}"
+
+    @property
+    def cost_kernels(self) -> str:
+        """The cost key but for the kernels' build: what a rebuilt kernel's key starts with."""
         from .cpu import describe
 
-        kernels = describe() if backend() == "cpu" else "mlx"
-        return f"{self.cost_kin}{kernels}"
+        return f"{self.cost_kin}{describe() if backend() == 'cpu' else 'mlx'}; build "
+
+    @property
+    def cost_build(self) -> str:
+        from .cpu.native import build_id
+
+        return build_id() if backend() == "cpu" else ""
 
     @property
     def cost_kin(self) -> str:
@@ -205,7 +216,9 @@ class Session:
 
     def save_costs(self) -> None:
         if self._schedulers:
-            save_costs(self.cost_key, self._schedulers["model"].costs)
+            # replacing: a rebuilt kernel's figures stand for the build before (which
+            # they started from, as a kin: load_costs), so that one is dropped
+            save_costs(self.cost_key, self._schedulers["model"].costs, replacing=self.cost_kernels)
 
     @property
     def vocab_size(self) -> int:

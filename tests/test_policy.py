@@ -8,6 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
+import specmlx
+from specmlx.cpu import native
 from specmlx.policy.acceptance import CONFIDENCE_WEIGHT, PRIOR_ALPHA, Acceptance
 from specmlx.policy.choice import (
     COST_PROBE,
@@ -470,6 +472,26 @@ def test_a_kins_figures_give_way_to_the_pairs_own_within_a_few_passes(tmp_path, 
     for _ in range(DRAFT_FIGURES + 1):
         start.observe_draft(0.3 * T1)
     assert start.draft_ratio == pytest.approx(0.3)
+
+
+def test_a_rebuilt_kernel_starts_from_the_old_builds_costs_and_replaces_them(tmp_path, monkeypatch):
+    # the same kernels' description, another build: its figures are a kin's (a start that
+    # the new build's own outweigh), and saving the new build's drops the old one's entry
+    monkeypatch.setenv("SPECMLX_HOME", str(tmp_path))
+    save_costs("pair|cpu|avx2; build a", measured(lambda k: 1 + 0.33 * (k - 1), 0.4))
+    save_costs("pair|cpu|avx512; build a", measured(lambda k: k, 0.3))
+    start = load_costs("pair|cpu|avx2; build b", kin="pair|cpu|")
+    assert start.t1 is None and not start.plain  # borrowed, not this build's own
+    save_costs("pair|cpu|avx2; build b", start, replacing="pair|cpu|avx2; build ")
+    kept = json.loads((tmp_path / "costs.json").read_text())
+    assert sorted(kept) == ["pair|cpu|avx2; build b", "pair|cpu|avx512; build a"]
+
+
+def test_an_engines_cost_key_names_the_kernels_build(models):
+    session = specmlx.Session(models["target"], models["perturbed"])
+    assert session.cost_key.startswith(session.cost_kernels)
+    assert session.cost_key.endswith(f"; build {native.build_id()}")
+    assert native.build_id() == "" or len(native.build_id()) == 12
 
 
 def test_a_cache_in_an_older_format_is_ignored(tmp_path, monkeypatch):

@@ -19,6 +19,8 @@ float32 x.
 from __future__ import annotations
 
 import ast
+import functools
+import hashlib
 import importlib
 import inspect
 import json
@@ -231,6 +233,16 @@ def describe() -> str:
     else:
         acts = "float32 activations" + (f": {_float32_why}" if _float32_why else "")
     return f"specmlx native INT4/INT8 ({_ext.isa()}, {_ext.threads()} threads, {acts})"
+
+
+@functools.cache
+def build_id() -> str:
+    """A short hash of the loaded extension's bytes ('' without one). The same describe()
+    can hide a rebuilt kernel with other pass costs (round 29's AVX2 tile made a 2-token
+    pass 1.16 T(1) where the cached figure said 1.33), so the cost cache keys on this too."""
+    if _ext is None or not getattr(_ext, "__file__", None):
+        return ""
+    return hashlib.sha256(Path(_ext.__file__).read_bytes()).hexdigest()[:12]
 
 
 def supports(

@@ -214,13 +214,19 @@ def borrowed(kin: Costs) -> Costs:
     return Costs([], target, last(kin.draft), None, kin.calibration, last(kin.rewind))
 
 
-def save_costs(key: str, costs: Costs) -> None:
-    """Merge this pair's costs into the cache file atomically (temp file + rename)."""
+def save_costs(key: str, costs: Costs, replacing: str = "") -> None:
+    """Merge this pair's costs into the cache file atomically (temp file + rename); with
+    `replacing`, drop the other entries whose keys start with it (an older build of the
+    same kernels), so that the file does not grow by an entry a rebuild."""
     path = cost_cache_path()
     try:
         data = json.loads(path.read_text()) if path.exists() else {}
     except (OSError, ValueError):
         data = {}
+    if not isinstance(data, dict):
+        data = {}
+    if replacing:
+        data = {k: v for k, v in data.items() if not k.startswith(replacing)}
     data[key] = costs.to_json()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
