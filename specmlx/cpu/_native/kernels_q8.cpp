@@ -459,23 +459,40 @@ SPECMLX_VNNI512 inline __attribute__((always_inline)) __m512 packed_values(const
   }
 }
 
+// What a four-row tile (AVX-512 VNNI or AVX2) reads for output rows n[0..3] and the rows
+// of x from m0: its 128-code chunks, the rows' codes and scale offsets (unpacked), or its
+// packed tile.
+template <int GS, ScaleType ST>
+struct QuadRows {
+  static constexpr int kCodes = 128, kBytes = 64, kGroups = std::max(1, kCodes / GS);
+  static constexpr int kChunkBytes = packed_chunk_bytes(GS, ST);
+  int groups, chunks, tail;  // tail: bytes in the last chunk, 16..64
+  const uint8_t* w[4];
+  size_t s[4];
+  const uint8_t* pk;
+  const int8_t* xq;
+  const float* xd;
+
+  QuadRows(const QmmJob& j, const int (&n)[4], int m0, bool packed)
+      : groups(j.K / GS),
+        chunks((j.K + kCodes - 1) / kCodes),
+        tail(j.K / 2 - (chunks - 1) * kBytes),
+        pk(packed ? j.packed + size_t(n[0] / 4) * packed_tile_bytes(j.K, GS, ST) : nullptr),
+        xq(j.xq + size_t(m0) * j.ldq),
+        xd(j.xd + size_t(m0) * j.ldd) {
+    for (int r = 0; r < 4; ++r) {
+      w[r] = reinterpret_cast<const uint8_t*>(j.w) + size_t(n[r]) * (j.K / 2);
+      s[r] = size_t(n[r]) * groups;
+    }
+  }
+};
+
 template <int MT, int GS, ScaleType ST, bool PACKED, Stream S = Stream::l1>
 SPECMLX_VNNI512 void tile4_q8_vnni512(const QmmJob& j, const int (&n)[4], int m0) {
   constexpr _mm_hint kHint = S == Stream::l1 ? _MM_HINT_T0 : _MM_HINT_T1;
-  constexpr int kCodes = 128, kBytes = 64, kGroups = std::max(1, kCodes / GS);
-  constexpr int kChunkBytes = packed_chunk_bytes(GS, ST);
-  const int bytes = j.K / 2, groups = j.K / GS;
-  const int chunks = (j.K + kCodes - 1) / kCodes;
-  const int tail = bytes - (chunks - 1) * kBytes;  // bytes in the last chunk, 16..64
-  const uint8_t* w[4];
-  size_t s[4];
-  for (int r = 0; r < 4; ++r) {
-    w[r] = reinterpret_cast<const uint8_t*>(j.w) + size_t(n[r]) * bytes;
-    s[r] = size_t(n[r]) * groups;
-  }
-  const uint8_t* pk = PACKED ? j.packed + size_t(n[0] / 4) * packed_tile_bytes(j.K, GS, ST) : nullptr;
-  const int8_t* xq = j.xq + size_t(m0) * j.ldq;
-  const float* xd = j.xd + size_t(m0) * j.ldd;
+  using T = QuadRows<GS, ST>;
+  constexpr int kCodes = T::kCodes, kBytes = T::kBytes, kGroups = T::kGroups, kChunkBytes = T::kChunkBytes;
+  const auto [groups, chunks, tail, w, s, pk, xq, xd] = T(j, n, m0, PACKED);
   const __m512i low4 = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
   const __m512i quarters = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   const __m512i scale_lanes = quad_lanes<GS>();
@@ -694,20 +711,9 @@ SPECMLX_AVX2_Q8 inline __attribute__((always_inline)) __m256 spread_half(const f
 template <int MT, int GS, ScaleType ST, bool PACKED, Stream S = Stream::l1>
 SPECMLX_AVX2_Q8 void tile4_q8_avx2(const QmmJob& j, const int (&n)[4], int m0) {
   constexpr _mm_hint kHint = S == Stream::l1 ? _MM_HINT_T0 : _MM_HINT_T1;
-  constexpr int kCodes = 128, kBytes = 64, kGroups = std::max(1, kCodes / GS);
-  constexpr int kChunkBytes = packed_chunk_bytes(GS, ST);
-  const int bytes = j.K / 2, groups = j.K / GS;
-  const int chunks = (j.K + kCodes - 1) / kCodes;
-  const int tail = bytes - (chunks - 1) * kBytes;  // bytes in the last chunk, 16..64
-  const uint8_t* w[4];
-  size_t s[4];
-  for (int r = 0; r < 4; ++r) {
-    w[r] = reinterpret_cast<const uint8_t*>(j.w) + size_t(n[r]) * bytes;
-    s[r] = size_t(n[r]) * groups;
-  }
-  const uint8_t* pk = PACKED ? j.packed + size_t(n[0] / 4) * packed_tile_bytes(j.K, GS, ST) : nullptr;
-  const int8_t* xq = j.xq + size_t(m0) * j.ldq;
-  const float* xd = j.xd + size_t(m0) * j.ldd;
+  using T = QuadRows<GS, ST>;
+  constexpr int kCodes = T::kCodes, kBytes = T::kBytes, kGroups = T::kGroups, kChunkBytes = T::kChunkBytes;
+  const auto [groups, chunks, tail, w, s, pk, xq, xd] = T(j, n, m0, PACKED);
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
 
   __m256 acc[MT][2];
