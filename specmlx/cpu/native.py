@@ -739,7 +739,7 @@ def pack_layers(module: nn.Module) -> int:
     """Lay each kernel-patched 4-bit linear layer's weights out as the four-row tiles read
     them: per tile of four rows, its codes, scales and biases in one stream instead of
     twelve, which the prefetchers follow better (whole decode 1.11-1.18x on AVX-512 VNNI,
-    bench/results/README.md, round 25; AVX2 1.07x, round 29). Only where those tiles run
+    bench/results/README.md, round 25; AVX2 1.03-1.07x, round 29). Only where those tiles run
     (int8 x on AVX-512 VNNI or AVX2),
     unless SPECMLX_PACK=0. The packed copy is private memory beside the mapped weights,
     which the other paths (float32 x, AMX prefill, MLX's fallback) still read. The values
