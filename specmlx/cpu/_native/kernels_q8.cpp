@@ -487,6 +487,18 @@ struct QuadRows {
   }
 };
 
+// A four-row tile's last step for row `row` of x: h holds a_0 + a_2 (lanes 0..3) and
+// a_1 + a_3 (lanes 4..7) for output rows n[0..3]; y gets their sums.
+SPECMLX_AVX2_Q8 inline __attribute__((always_inline)) void store_quad(
+    const QmmJob& j, const int (&n)[4], int row, __m256 h) {
+  alignas(16) float out[4];
+  _mm_store_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  float* y = j.y + size_t(row) * j.N;
+  for (int r = 0; r < 4; ++r) {
+    y[n[r]] = out[r];
+  }
+}
+
 template <int MT, int GS, ScaleType ST, bool PACKED, Stream S = Stream::l1>
 SPECMLX_VNNI512 void tile4_q8_vnni512(const QmmJob& j, const int (&n)[4], int m0) {
   constexpr _mm_hint kHint = S == Stream::l1 ? _MM_HINT_T0 : _MM_HINT_T1;
@@ -571,13 +583,7 @@ SPECMLX_VNNI512 void tile4_q8_vnni512(const QmmJob& j, const int (&n)[4], int m0
   #pragma GCC unroll 16
   for (int m = 0; m < MT; ++m) {
     const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc[m]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[m]), 1)));
-    const __m128 f = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    alignas(16) float out[4];
-    _mm_store_ps(out, f);
-    float* y = j.y + size_t(m0 + m) * j.N;
-    for (int r = 0; r < 4; ++r) {
-      y[n[r]] = out[r];
-    }
+    store_quad(j, n, m0 + m, h);
   }
 }
 
@@ -805,13 +811,7 @@ SPECMLX_AVX2_Q8 void tile4_q8_avx2(const QmmJob& j, const int (&n)[4], int m0) {
   #pragma GCC unroll 8
   for (int m = 0; m < MT; ++m) {
     const __m256 h = _mm256_add_ps(acc[m][0], acc[m][1]);
-    const __m128 f = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    alignas(16) float out[4];
-    _mm_store_ps(out, f);
-    float* y = j.y + size_t(m0 + m) * j.N;
-    for (int r = 0; r < 4; ++r) {
-      y[n[r]] = out[r];
-    }
+    store_quad(j, n, m0 + m, h);
   }
 }
 
