@@ -238,8 +238,8 @@ def describe() -> str:
 @functools.cache
 def build_id() -> str:
     """A short hash of the loaded extension's bytes ('' without one). The same describe()
-    can hide a rebuilt kernel with other pass costs (round 29's AVX2 tile made a 2-token
-    pass 1.16 T(1) where the cached figure said 1.33), so the cost cache keys on this too."""
+    can hide a rebuilt kernel whose passes cost otherwise, so the cost cache keys on this
+    too (bench/results/README.md, round 29)."""
     if _ext is None or not getattr(_ext, "__file__", None):
         return ""
     return hashlib.sha256(Path(_ext.__file__).read_bytes()).hexdigest()[:12]
