@@ -207,7 +207,7 @@ class Session:
     def scheduler(self, source: str) -> Scheduler:
         """The γ policy for a draft source; both share one measured target cost curve."""
         if not self._schedulers:
-            costs = load_costs(self.cost_key, self.cost_kin)
+            costs = load_costs(self.cost_key, (self.cost_kernels, self.cost_kin))
             self._schedulers = {
                 "model": Scheduler(costs, self.max_gamma),
                 "lookup": Scheduler(costs, self.max_gamma, free_drafts=True),

@@ -20,7 +20,15 @@ from specmlx.policy.choice import (
     MARGIN,
     Scheduler,
 )
-from specmlx.policy.costs import DRAFT_FIGURES, SETTLE, Costs, load_costs, save_costs
+from specmlx.policy.costs import (
+    DRAFT_FIGURES,
+    OWN_FIGURES,
+    SETTLE,
+    Costs,
+    borrowed,
+    load_costs,
+    save_costs,
+)
 
 T1 = 0.3  # seconds per plain step; only ratios to it matter
 
@@ -455,7 +463,7 @@ def test_a_pair_new_to_its_kernels_starts_from_the_same_models_costs_on_others(
     monkeypatch.setenv("SPECMLX_HOME", str(tmp_path))
     save_costs("pair|cpu|old kernel", measured(lambda k: 1 + 0.25 * (k - 1), 0.4))
     save_costs("other pair|cpu|new kernel", measured(lambda k: k, 0.9))
-    start = load_costs("pair|cpu|new kernel", kin="pair|cpu|")
+    start = load_costs("pair|cpu|new kernel", kins=("pair|cpu|",))
     assert start.draft_ratio == pytest.approx(0.4) and start.ratio(4) == pytest.approx(1.75)
     assert not start.plain and start.t1 is None  # T(1) is this process's own
     # so its first call needs no probe rounds to price a choice
@@ -466,7 +474,7 @@ def test_a_pair_new_to_its_kernels_starts_from_the_same_models_costs_on_others(
 def test_a_kins_figures_give_way_to_the_pairs_own_within_a_few_passes(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECMLX_HOME", str(tmp_path))
     save_costs("pair|cpu|old kernel", measured(lambda k: k, 0.9))
-    start = load_costs("pair|cpu|new kernel", kin="pair|cpu|")
+    start = load_costs("pair|cpu|new kernel", kins=("pair|cpu|",))
     for _ in range(SETTLE + 1):
         start.observe_target(1, T1)
     for _ in range(DRAFT_FIGURES + 1):
@@ -480,11 +488,72 @@ def test_a_rebuilt_kernel_starts_from_the_old_builds_costs_and_replaces_them(tmp
     monkeypatch.setenv("SPECMLX_HOME", str(tmp_path))
     save_costs("pair|cpu|avx2; build a", measured(lambda k: 1 + 0.33 * (k - 1), 0.4))
     save_costs("pair|cpu|avx512; build a", measured(lambda k: k, 0.3))
-    start = load_costs("pair|cpu|avx2; build b", kin="pair|cpu|")
+    start = load_costs("pair|cpu|avx2; build b", kins=("pair|cpu|",))
     assert start.t1 is None and not start.plain  # borrowed, not this build's own
     save_costs("pair|cpu|avx2; build b", start, replacing="pair|cpu|avx2; build ")
     kept = json.loads((tmp_path / "costs.json").read_text())
     assert sorted(kept) == ["pair|cpu|avx2; build b", "pair|cpu|avx512; build a"]
+
+
+def test_a_rebuilt_kernel_starts_from_its_old_build_before_other_kernels(tmp_path, monkeypatch):
+    # AVX2's curve is no guess for AVX-512's, even when it was saved last
+    monkeypatch.setenv("SPECMLX_HOME", str(tmp_path))
+    save_costs("pair|cpu|avx512; build a", measured(lambda k: 1 + 0.1 * (k - 1), 0.3))
+    save_costs("pair|cpu|avx2; build a", measured(lambda k: 1 + 0.5 * (k - 1), 0.4))
+    start = load_costs("pair|cpu|avx512; build b", kins=("pair|cpu|avx512; build ", "pair|cpu|"))
+    assert start.ratio(9) == pytest.approx(1.8)
+
+
+def borrowing(kin_curve, own_curve) -> Costs:
+    """Costs started from a kin's measured kin_curve, then settled, with three passes of
+    the pair's own at k = 2 and 3 on own_curve."""
+    costs = borrowed(measured(kin_curve, 0.3))
+    for _ in range(SETTLE + 1):
+        costs.observe_target(1, T1)
+    for k in (2, 3):
+        for _ in range(OWN_FIGURES):
+            costs.observe_target(k, T1 * own_curve(k))
+    return costs
+
+
+def test_a_kins_figures_at_k_are_retired_by_the_pairs_own_there():
+    costs = borrowing(lambda k: 1 + 0.5 * (k - 1), lambda k: 1 + 0.1 * (k - 1))
+    assert costs.target[3] == pytest.approx([1.2] * OWN_FIGURES)
+    assert 3 not in costs.borrowed and 9 in costs.borrowed
+
+
+def test_a_kins_dear_figure_is_priced_at_most_on_the_pairs_own_line():
+    # else it is never chosen, so never measured again: lookup kept short for good
+    costs = borrowing(lambda k: 1 + 0.5 * (k - 1), lambda k: 1 + 0.1 * (k - 1))
+    assert costs.ratio(9) == pytest.approx(1.8)
+    lookup = Scheduler(costs, free_drafts=True)
+    lookup.acceptance = Acceptance(0.99 * 40, 40.0, seen=True)
+    assert lookup.choose().gamma == 8
+
+
+def test_a_kins_cheap_figure_stands_until_measured():
+    costs = borrowing(lambda k: 1 + 0.05 * (k - 1), lambda k: 1 + 0.1 * (k - 1))
+    assert costs.ratio(9) == pytest.approx(1.4)
+
+
+def test_the_pairs_own_figures_at_a_borrowed_k_end_its_optimism():
+    costs = borrowing(lambda k: 1 + 0.5 * (k - 1), lambda k: 1 + 0.1 * (k - 1))
+    for _ in range(OWN_FIGURES):
+        costs.observe_target(9, T1 * 4.0)
+    assert costs.ratio(9) == pytest.approx(4.0) and not costs.borrowed.get(9)
+
+
+def test_which_figures_are_a_kins_survives_the_cache():
+    costs = borrowing(lambda k: 1 + 0.5 * (k - 1), lambda k: 1 + 0.1 * (k - 1))
+    again = Costs.from_json(costs.to_json())
+    assert again.borrowed == costs.borrowed and again.ratio(9) == pytest.approx(1.8)
+
+
+def test_a_format_3_entrys_figures_all_count_as_a_kins():
+    # format 3 did not tell a kin's figures from the pair's own
+    old = {**measured(lambda k: 1 + 0.5 * (k - 1), 0.3).to_json(), "format": 3}
+    del old["borrowed"]
+    assert sorted(Costs.from_json(old).borrowed) == list(range(2, 10))
 
 
 def test_an_engines_cost_key_names_the_kernels_build(models):

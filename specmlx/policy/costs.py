@@ -31,8 +31,14 @@ SETTLE = 3
 # The cost cache's format. 2: draft figures no longer include the draft model's first
 # one-token pass in a process (one-time work, 4x a pass); a cache written before may hold
 # such a figure, which kept auto from ever drafting, so it is measured afresh. 3: the
-# calibration is kept per band of top probability.
-COSTS_FORMAT = 3
+# calibration is kept per band of top probability. 4: which k's figures are a kin's is
+# kept (Costs.borrowed); a format-3 entry's figures count as borrowed, since a kin's
+# were not told apart there.
+COSTS_FORMAT = 4
+# The pair's own figures at a k that retire a kin's there: until then its price there is
+# at most the line through its own figures, so that a kin's dear figure is measured again
+# (T(9)/T(1) 4.85 borrowed from AVX2 kept lookup short for good where AVX-512's is 2.85).
+OWN_FIGURES = 3
 FIRST_BACKOFF = 32  # plain rounds before the first cost-only probe; doubles after each
 
 
@@ -68,6 +74,8 @@ class Costs:
     # costs, across calls and runs.
     plain_since_cost_probe: int = 0
     cost_backoff: int = FIRST_BACKOFF
+    # k -> the pair's own figures at k since its figures there were a kin's (load_costs).
+    borrowed: dict[int, int] = field(default_factory=dict)
 
     @property
     def settled(self) -> bool:
@@ -86,7 +94,12 @@ class Costs:
             self.plain.append(seconds)
             del self.plain[1:-WINDOW]  # keep the first (to leave out) and the recent
         elif self.settled:
-            _push(self.target.setdefault(k, []), seconds / self.t1)
+            seen = self.target.setdefault(k, [])
+            _push(seen, seconds / self.t1)
+            if k in self.borrowed:
+                self.borrowed[k] += 1
+                if self.borrowed[k] == OWN_FIGURES:
+                    del seen[:-OWN_FIGURES], self.borrowed[k]
 
     def observe_draft(self, seconds_per_pass: float) -> None:
         self._changed()
@@ -109,27 +122,45 @@ class Costs:
         """Forget the figures read from the samples. Each choice reads them dozens of
         times (0.3 ms a plain round in medians, 0.2% of a step on this CPU), and they
         change only here: the samples are to be changed through observe_* alone."""
-        for name in ("t1", "slope", "draft_ratio", "_ratios"):
+        for name in ("t1", "slope", "own_slope", "draft_ratio", "_ratios"):
             self.__dict__.pop(name, None)
+
+    def _slope(self, own: bool) -> float | None:
+        """The extra cost of each new token beyond the first, as a fraction of T(1): the
+        median over the multi-token passes seen (a Theil–Sen line through T(1) = 1), over
+        the pair's own figures alone or over a kin's too."""
+        slopes = [
+            (r - 1) / (k - 1)
+            for k, seen in self.target.items()
+            if not (own and k in self.borrowed)
+            for r in seen
+        ]
+        return max(median(slopes), 0.0) if slopes else None
+
+    @cached_property
+    def own_slope(self) -> float | None:
+        return self._slope(own=True)
 
     @cached_property
     def slope(self) -> float | None:
-        """The extra cost of each new token beyond the first, as a fraction of T(1): the
-        median over every multi-token pass seen (a Theil–Sen line through T(1) = 1)."""
-        slopes = [(r - 1) / (k - 1) for k, seen in self.target.items() for r in seen]
-        return max(median(slopes), 0.0) if slopes else None
+        """The line's slope: through the pair's own figures where it has any."""
+        return self.own_slope if self.own_slope is not None else self._slope(own=False)
 
     def ratio(self, k: int) -> float | None:
-        """T(k)/T(1): the median seen at k once there are a few, else on the line."""
+        """T(k)/T(1): the median seen at k once there are a few, else on the line; where
+        they are a kin's, at most the line through the pair's own (OWN_FIGURES)."""
         ratios = self._ratios
         if k not in ratios:
             seen = self.target.get(k, [])
+            line = None if self.slope is None else 1 + self.slope * (k - 1)
             if k == 1:
                 ratios[k] = 1.0
-            elif len(seen) >= 3:
-                ratios[k] = median(seen)
+            elif len(seen) < 3:
+                ratios[k] = line
+            elif k in self.borrowed and self.own_slope is not None:
+                ratios[k] = min(median(seen), line)
             else:
-                ratios[k] = None if self.slope is None else 1 + self.slope * (k - 1)
+                ratios[k] = median(seen)
         return ratios[k]
 
     @cached_property
@@ -152,14 +183,18 @@ class Costs:
             "calibration": self.calibration,
             "rewind": self.rewind,
             "cost_probes": [self.plain_since_cost_probe, self.cost_backoff],
+            "borrowed": {str(k): n for k, n in self.borrowed.items()},
             "saved": time.time(),  # which kin entry is the newest (see load_costs)
         }
 
     @classmethod
     def from_json(cls, data: dict) -> Costs:
-        if data.get("format") != COSTS_FORMAT:
+        if data.get("format") not in (3, COSTS_FORMAT):
             raise ValueError(f"cost cache format {data.get('format')}, not {COSTS_FORMAT}")
         target = {int(k): [float(r) for r in v] for k, v in data["target"].items()}
+        borrowed = {int(k): int(n) for k, n in data.get("borrowed", {}).items()}
+        if data["format"] == 3:
+            borrowed = dict.fromkeys(target, 0)
         plain = data.get("plain") or {}
         ours = plain.get("pid") == os.getpid()  # another process's steps are not its T(1)
         mine = [float(t) for t in plain.get("seconds", [])] if ours else []
@@ -171,17 +206,19 @@ class Costs:
         draft = [float(r) for r in data["draft"]]
         rewind = [float(r) for r in data.get("rewind", [])]
         since, backoff = (int(x) for x in data.get("cost_probes", [0, FIRST_BACKOFF]))
-        return cls(mine, target, draft, float(data["t1"]), calibration, rewind, since, backoff)
+        t1 = float(data["t1"])
+        return cls(mine, target, draft, t1, calibration, rewind, since, backoff, borrowed)
 
 
 def cost_cache_path() -> Path:
     return home() / "costs.json"
 
 
-def load_costs(key: str, kin: str | None = None) -> Costs:
-    """This pair's cached costs; when it has none, what the last run of a kin key (one
-    that starts with `kin`: the same models on other kernels) measured, as a start; else
-    nothing. An entry in an old format counts as none."""
+def load_costs(key: str, kins: tuple[str, ...] = ()) -> Costs:
+    """This pair's cached costs; when it has none, what the last run of its nearest kin
+    measured, as a start: `kins` are what kin keys start with, nearest first (the same
+    kernels in another build, then the same models on other kernels: AVX2's curve is no
+    guess for AVX-512's); else nothing. An entry in an old format counts as none."""
     try:
         data = json.loads(cost_cache_path().read_text())
     except (OSError, ValueError):
@@ -192,26 +229,29 @@ def load_costs(key: str, kin: str | None = None) -> Costs:
         return Costs.from_json(data[key])
     except (KeyError, ValueError, TypeError, AttributeError):
         pass
-    kins = [v for k, v in data.items() if kin and k.startswith(kin) and isinstance(v, dict)]
-    for entry in sorted(kins, key=lambda v: v.get("saved", 0), reverse=True):
-        try:
-            return borrowed(Costs.from_json(entry))
-        except (KeyError, ValueError, TypeError, AttributeError):
-            continue
+    for kin in kins:
+        entries = [v for k, v in data.items() if k.startswith(kin) and isinstance(v, dict)]
+        for entry in sorted(entries, key=lambda v: v.get("saved", 0), reverse=True):
+            try:
+                return borrowed(Costs.from_json(entry))
+            except (KeyError, ValueError, TypeError, AttributeError):
+                continue
     return Costs()
 
 
 def borrowed(kin: Costs) -> Costs:
     """A kin pair's costs as a start: its last few figures of each (enough to price a
     choice without the first call's probes: a new kernel or head made every first run
-    lose ~8% to them), so that this pair's own figures outweigh them within a few passes.
-    Not its T(1) or cost-probe back-off: those are this pair's alone."""
+    lose ~8% to them), each k's retired by the pair's own (OWN_FIGURES). Not its T(1) or
+    cost-probe back-off: those are this pair's alone."""
 
     def last(samples: list[float]) -> list[float]:
         return samples[-DRAFT_FIGURES:]
 
     target = {k: last(v) for k, v in kin.target.items()}
-    return Costs([], target, last(kin.draft), None, kin.calibration, last(kin.rewind))
+    costs = Costs([], target, last(kin.draft), None, kin.calibration, last(kin.rewind))
+    costs.borrowed = dict.fromkeys(target, 0)
+    return costs
 
 
 def save_costs(key: str, costs: Costs, replacing: str = "") -> None:
