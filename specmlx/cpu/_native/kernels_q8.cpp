@@ -76,8 +76,10 @@ using TileFn = void (*)(const QmmJob&, int n0, int n1, int m0);
 // tile that does so little a cache line, and the prefetch instructions cost more than
 // they bring (1.04-1.16x from DRAM at M = 1, whole one-token passes 1.07x; the packed
 // tile without them at M = 2 and 4: 0.7-0.9x; bench/results/README.md, round 27). The
-// AVX2 two-row tile (8 and 6 bits) still asks at M = 1 (without: 0.92x), as does the
-// unpacked four-row tile.
+// AVX2 tiles ask at every M: the two-row tile (8 and 6 bits; without: 0.92x), the unpacked
+// four-row tile, and the packed four-row tile, whose one-row decode on the AVX2-only Zen 3,
+// where one core reads DRAM at only ~11 GB/s, read 1.05x and 1.08x with them (held to AVX2
+// on a Zen 4: 0.97-1.01x; bench/results/README.md, rounds 29 and 31).
 constexpr int kPrefetchBytes = 4 << 10;
 constexpr int kPackedPrefetchBytes = 4 << 10;  // one stream per tile: its own distance
 constexpr int kPrefetchRows = 2;  // the fewest rows of x an AVX-512 tile prefetches for
@@ -731,10 +733,8 @@ SPECMLX_AVX2_Q8 void tile4_q8_avx2(const QmmJob& j, const int (&n)[4], int m0) {
     __m256 sv[2];
     if constexpr (PACKED) {
       const uint8_t* p = pk + size_t(c) * kChunkBytes;
-      if constexpr (MT >= kPrefetchRows) {
-        for (int r = 0; r < 5; ++r) {  // the four rows' codes, then the scales
-          _mm_prefetch(reinterpret_cast<const char*>(p) + r * kBytes + kPackedPrefetchBytes, kHint);
-        }
+      for (int r = 0; r < 5; ++r) {  // the four rows' codes, then the scales
+        _mm_prefetch(reinterpret_cast<const char*>(p) + r * kBytes + kPackedPrefetchBytes, kHint);
       }
       values256<ST, 4 * kGroups>(p + 4 * kBytes, sv);
     } else {  // the packed chunk's values, gathered from the rows
