@@ -1,0 +1,61 @@
+"""How long auto's rounds take inside generate, by kind and by the round before.
+
+cost_curve.py times passes outside the engine; the policy prices rounds from the times the
+engine itself records (a round's verify_s). This script reads those: each round's
+verify time, grouped by what it was (plain, or a verify of a proposal from `source` with
+g drafts) and by whether the round before it was plain, medians in ms. A plain round's
+time is what is left of a pass already running (its Python work overlaps the pass), so
+the engine's own T(k)/T(1) sits above cost_curve.py's.
+
+    python bench/round_times.py [--target DIR --draft DIR --prompts 6 --repeat 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+from statistics import median
+
+import specmlx
+from specmlx.bench import encode, read_suite, select_prompts
+from specmlx.paths import home
+from specmlx.policy import auto
+
+
+def main() -> None:
+    models = home() / "models"
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default=str(models / "qwen2.5-coder-1.5b-instruct-int4"))
+    ap.add_argument("--draft", default=str(models / "qwen2.5-coder-0.5b-instruct-int4"))
+    ap.add_argument("--categories", default="writing,roleplay,qa,humanities")
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    args = ap.parse_args()
+    target, draft = specmlx.load(args.target), specmlx.load(args.draft)
+    rounds: list[tuple[str, float]] = []
+    observe = auto.AutoGamma.observe
+
+    def recording(self, r) -> None:
+        rounds.append(("plain" if r.proposal is None else f"{r.source} g={r.drafted}", r.verify_s))
+        observe(self, r)
+
+    auto.AutoGamma.observe = recording
+    prompts = select_prompts(read_suite(), "tune", args.categories.split(","), args.prompts)
+    times: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for prompt in prompts:
+        ids = encode(target, prompt.text, chat_template=True)
+        for _ in range(args.repeat):
+            rounds.clear()
+            specmlx.generate(target, ids, draft, max_tokens=args.max_tokens).run()
+            for (before, _), (kind, seconds) in zip(rounds, rounds[1:], strict=False):
+                after = "after plain" if before == "plain" else "after a proposal"
+                times[kind, after].append(seconds * 1000)
+    print(f"{len(prompts)} prompts ({args.categories}) x {args.repeat}")
+    print("| round | after | n | median ms |\n| --- | --- | ---: | ---: |")
+    for (kind, after), ms in sorted(times.items()):
+        print(f"| {kind} | {after} | {len(ms)} | {median(ms):.1f} |")
+
+
+if __name__ == "__main__":
+    main()
