@@ -1,7 +1,8 @@
 """How long auto's rounds take inside generate, by kind and by the round before.
 
 cost_curve.py times passes outside the engine; the policy prices rounds from the times the
-engine itself records (a round's verify_s). This script reads those: each round's
+engine itself records (a round's verify_s, as Stats.add_round sees it). This script reads
+those: each round's
 verify time, grouped by what it was (plain, or a verify of a proposal from `source` with
 g drafts) and by whether the round before it was plain, medians in ms. A plain round's
 time is what is left of a pass already running (its Python work overlaps the pass), so
@@ -18,8 +19,8 @@ from statistics import median
 
 import specmlx
 from specmlx.bench import encode, read_suite, select_prompts
+from specmlx.engine import Stats
 from specmlx.paths import home
-from specmlx.policy import auto
 
 
 def main() -> None:
@@ -34,13 +35,13 @@ def main() -> None:
     args = ap.parse_args()
     target, draft = specmlx.load(args.target), specmlx.load(args.draft)
     rounds: list[tuple[str, float]] = []
-    observe = auto.AutoGamma.observe
+    add_round = Stats.add_round
 
     def recording(self, r) -> None:
         rounds.append(("plain" if r.proposal is None else f"{r.source} g={r.drafted}", r.verify_s))
-        observe(self, r)
+        add_round(self, r)
 
-    auto.AutoGamma.observe = recording
+    Stats.add_round = recording
     prompts = select_prompts(read_suite(), "tune", args.categories.split(","), args.prompts)
     times: dict[tuple[str, str], list[float]] = defaultdict(list)
     for prompt in prompts:
