@@ -105,6 +105,7 @@ struct QmmJob {
   const float* xd = nullptr;   // M rows of ldd: the scale of each 32-block
   const float* xs = nullptr;   // M rows of ldg: per weight group, sum of scale * code
   int ldq = 0, ldd = 0, ldg = 0;
+  const int16_t* xw = nullptr;  // a tile's rows of xq as int16 (the AVX2 8- and 6-bit tiles; qmm_rows_q8 sets it)
   // the same, laid out for the AMX tiles (prepare_x_amx), when the job runs on them
   const int8_t* xb = nullptr;   // per 16 rows of x and 32-block: the block's x tile
   const float* xdt = nullptr;   // per 16 rows and block: the 16 rows' scales

@@ -32,12 +32,14 @@
 #include <array>
 #include <atomic>
 #include <cmath>
+#include <memory>
 #include <utility>
 
 #include <unistd.h>
 
 #include "amx.h"
 #include "kernels.h"
+#include "scratch.h"
 
 // gcc 12's AVX-512 headers also trip -Wuninitialized on their _mm512_undefined_*() values
 // (in the reductions and conversions the quantizer uses).
@@ -826,7 +828,7 @@ SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n0, int n1, int m0) {
   const uint8_t* w0 = reinterpret_cast<const uint8_t*>(j.w) + size_t(n0) * bytes;
   const uint8_t* w1 = reinterpret_cast<const uint8_t*>(j.w) + size_t(n1) * bytes;
   const size_t s0 = size_t(n0) * groups, s1 = size_t(n1) * groups;
-  const int8_t* xq = j.xq + size_t(m0) * j.ldq;
+  const int16_t* xw = j.xw;  // rows m0 .. m0 + MT - 1 of x (qmm_rows_q8)
   const float* xd = j.xd + size_t(m0) * j.ldd;
   const __m256i six_lo = _mm256_setr_m128i(six_windows(0), six_windows(6));
   const __m256i six_hi = _mm256_setr_m128i(six_windows(4), six_windows(10));
@@ -837,6 +839,7 @@ SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n0, int n1, int m0) {
     acc0[m] = _mm256_setzero_ps();
     acc1[m] = _mm256_setzero_ps();
   }
+  __m256 sc0 = _mm256_setzero_ps(), sc1 = _mm256_setzero_ps();
   for (int c = 0; c < chunks; ++c) {
     if (c % 2 == 0) {  // a cache line is two chunks (8 bits; 6 bits: a little less)
       prefetch_streams<2 * kBytes>(w0, w1, c / 2);
@@ -854,15 +857,17 @@ SPECMLX_AVX2_Q8 void tile_q8_avx2(const QmmJob& j, int n0, int n1, int m0) {
       lo1 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(b1));
       hi1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(b1, 1));
     }
-    // one group per chunk: one scale for all lanes
-    const __m256 sc0 = _mm256_set1_ps(scale_f16c(j.scales, s0 + c * kCodes / GS, ST));
-    const __m256 sc1 = _mm256_set1_ps(scale_f16c(j.scales, s1 + c * kCodes / GS, ST));
+    // A chunk lies in one group: one scale for all lanes, read once a group.
+    if (c % (GS / kCodes) == 0) {
+      sc0 = _mm256_set1_ps(scale_f16c(j.scales, s0 + c * kCodes / GS, ST));
+      sc1 = _mm256_set1_ps(scale_f16c(j.scales, s1 + c * kCodes / GS, ST));
+    }
     #pragma GCC unroll 16
     for (int m = 0; m < MT; ++m) {
-      const int8_t* q = xq + size_t(m) * j.ldq + c * kCodes;
+      const int16_t* q = xw + size_t(m) * j.ldq + c * kCodes;
       const float* dm = xd + size_t(m) * j.ldd + c * kCodes / kQ8Block;  // the chunk's blocks
-      const __m256i xl = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-      const __m256i xh = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
+      const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+      const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16));
       const __m256 d = _mm256_set1_ps(dm[0]);
       const __m256i i0 = _mm256_add_epi32(_mm256_madd_epi16(lo0, xl), _mm256_madd_epi16(hi0, xh));
       const __m256i i1 = _mm256_add_epi32(_mm256_madd_epi16(lo1, xl), _mm256_madd_epi16(hi1, xh));
@@ -1158,11 +1163,24 @@ bool quad_tiles(Isa isa) {
   return q8_isa(isa) != Isa::scalar;
 }
 
-void qmm_rows_q8(Isa isa, const QmmJob& j, int n0, int n1) {
-  if (j.xb != nullptr) {  // prepare_x_amx laid x out for AMX
-    return qmm_rows_amx(j, n0, n1);
+// Rows m0 .. m0 + mt - 1 of x's codes as int16, for the AVX2 8- and 6-bit tiles (vpmaddwd
+// takes int16): widened once per x tile and thread here, where each tile had widened its
+// rows again for every pair of output rows, two of its ~14 instructions a chunk and row.
+const int16_t* widen_rows(const QmmJob& j, int m0, int mt) {
+  thread_local std::unique_ptr<int16_t[]> buf;
+  thread_local size_t cap = 0;
+  const size_t n = size_t(mt) * j.ldq;
+  int16_t* out = scratch(buf, cap, n);
+  std::copy_n(j.xq + size_t(m0) * j.ldq, n, out);
+  return out;
+}
+
+void qmm_rows_q8(Isa isa, const QmmJob& job, int n0, int n1) {
+  if (job.xb != nullptr) {  // prepare_x_amx laid x out for AMX
+    return qmm_rows_amx(job, n0, n1);
   }
   const Isa tiles = q8_isa(isa);
+  QmmJob j = job;
   const bool quad = quad_tiles(isa) && j.bits == 4;
   const int tile_rows = quad ? (tiles == Isa::avx2 ? kAvx2QuadMaxRows : kQuadMaxRows)
       : tiles == Isa::avx512 ? kVnniMaxRows
@@ -1191,6 +1209,9 @@ void qmm_rows_q8(Isa isa, const QmmJob& j, int n0, int n1) {
     const int part = (nb_end - nb + out_rows - 1) / out_rows;
     for (int m0 = 0; m0 < j.M; m0 += tile_rows) {
       const int mt = std::min(tile_rows, j.M - m0);
+      if (tiles == Isa::avx2 && !quad) {
+        j.xw = widen_rows(j, m0, mt);
+      }
       if (quad && j.packed != nullptr) {  // tiles of four adjacent rows, one stream each
         const QuadFn tile = packed_stream(j, mt) == Stream::l1 ? pick_quad<true, Stream::l1>(tiles, j.group_size, mt)
                                                                : pick_quad<true, Stream::l2>(tiles, j.group_size, mt);
