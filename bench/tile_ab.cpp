@@ -31,6 +31,11 @@ struct Data {
   std::vector<float> xd, xs, y;
 };
 
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
 template <typename Job, typename Isa, typename Rows>
 double median_seconds(Rows rows, Isa isa, Data& d, int bits, int M, int N, int K, int threads, int reps) {
   Job j{};
@@ -55,13 +60,7 @@ double median_seconds(Rows rows, Isa isa, Data& d, int bits, int M, int N, int K
     }
     seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
-  std::sort(seconds.begin(), seconds.end());
-  return seconds[seconds.size() / 2];
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
+  return median(seconds);
 }
 
 int main(int argc, char** argv) {

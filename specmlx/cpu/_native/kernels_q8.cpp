@@ -1164,8 +1164,9 @@ bool quad_tiles(Isa isa) {
 }
 
 // Rows m0 .. m0 + mt - 1 of x's codes as int16, for the AVX2 8- and 6-bit tiles (vpmaddwd
-// takes int16): widened once per x tile and thread here, where each tile had widened its
-// rows again for every pair of output rows, two of its ~14 instructions a chunk and row.
+// takes int16): widened here once per x tile, weight block and thread (one of each at decode
+// and verify), where each tile had widened its rows again for every pair of output rows,
+// two of its ~14 instructions a chunk and row.
 const int16_t* widen_rows(const QmmJob& j, int m0, int mt) {
   thread_local std::unique_ptr<int16_t[]> buf;
   thread_local size_t cap = 0;
