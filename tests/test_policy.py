@@ -285,6 +285,19 @@ def test_cheap_catch_up_looks_again_sooner_than_costly():
     assert first_look(fp32) < 60 and first_look(int4) == 300
 
 
+def test_a_prompt_the_draft_has_not_taken_must_be_won_back_within_the_call():
+    # The draft model takes a call's prompt with its first drafting round: on this CPU's
+    # curve 700 prompt tokens cost it ~90 target steps, more than drafting a 64-token reply
+    # can save, while a short prompt, or a long reply, repays them.
+    def first_choice(remaining, behind):
+        s = warmed(THIS_CPU["curve"], THIS_CPU["draft_ratio"], alpha=0.95)
+        return s.choose(remaining, behind).gamma
+
+    assert first_choice(remaining=64, behind=700) == 0
+    assert first_choice(remaining=64, behind=20) > 0
+    assert first_choice(remaining=4096, behind=700) > 0
+
+
 def test_hopeless_costs_probe_without_the_draft_model_ever_more_rarely():
     # Even perfect acceptance loses: probes only re-measure the cost curve, for free.
     s = warmed(lambda k: k, draft_ratio=0.3, alpha=0.95)

@@ -330,6 +330,21 @@ def test_timing_a_draft_pass_leaves_its_cache_as_it_was(no_eos):
     assert mx.allclose(after, fresh.model.module(x, cache=fresh.cache), atol=1e-5)
 
 
+def test_the_drafts_backlog_counts_the_prompt_until_it_has_taken_it(no_eos):
+    # The policy prices what the draft must take before it drafts: a call's prompt too,
+    # which a draft that never drafts never pays for.
+    drafter = specmlx.Session(no_eos["target"], no_eos["perturbed"]).drafter
+    drafter.start([1, 2, 3, 4, 5])
+    assert drafter.behind == 4
+    greedy = lambda logits, key: (None, logits.argmax(-1))  # noqa: E731
+    proposal = drafter.propose(2, mx.random.key(0), greedy)
+    drafter.commit(proposal, 0, [7])  # its first draft rejected: the target's token
+    assert drafter.behind == 0
+    drafter.commit(None, 0, [8])  # two plain rounds it sat out
+    drafter.commit(None, 0, [9])
+    assert drafter.behind == 2
+
+
 def hopeless_draft(no_eos, monkeypatch, tmp_path):
     """A Session whose costs say T(1) is settled, verifying is nearly flat, and a draft
     pass costs fifty target steps: drafting is hopeless. Returns (session, its costs)."""

@@ -25,7 +25,9 @@ this CPU's INT4 kernel, where each extra verified token costs a quarter of a pas
 where the cost curve is flat. A model draft that sat out must first catch up on every
 token it missed: cheap where a pass over many tokens costs about one (a fast BLAS, a
 GPU), several target passes where it does not, so how often it looks follows the cost
-curve. bench/schedule_sim.py replays this policy on synthetic texts.
+curve. Its first catch-up in a call is the prompt: a draft that never drafts never takes
+it, so a long prompt with a short reply is decoded plain (or by prompt lookup, which
+takes nothing). bench/schedule_sim.py replays this policy on synthetic texts.
 
 Within a round the draft's own confidence decides how far it goes: after each draft
 pass, the next draft is made only while its expected yield (the chance that every draft
@@ -128,8 +130,9 @@ class Scheduler:
 
     def choose(self, remaining: int | None = None, behind: int | None = None) -> Choice:
         """γ for the next round; `remaining`: the most tokens the call may still emit;
-        `behind`: the tokens the draft model must take before it drafts (what it missed),
-        where the engine knows them; else the plain rounds since it last drafted."""
+        `behind`: the tokens the draft model must take before it drafts (the prompt, the
+        first time in a call, and what it missed), where the engine knows them; else the
+        plain rounds since it last drafted."""
         if not self.costs.settled:
             return Choice(0)  # plain steps measure T(1) and still emit tokens
         if self.opening:
@@ -190,9 +193,10 @@ class Scheduler:
         self, plain: float, best: float, need: float, remaining: int | None, behind: int
     ) -> bool:
         """Whether drafting beats plain decoding by `need` over the rest of the call. A
-        draft model that sat out first catches up on what it missed: on this CPU's INT4
-        kernel a pass over 20 tokens costs 3 target steps, more than drafting the rest of
-        a 48-token reply can win back (auto 0.89x on code at T = 1, seen)."""
+        draft model first takes what it has not seen: the prompt, in a call's first
+        drafting round, and what it missed while it sat out. On this CPU's INT4 kernel a
+        pass over 20 tokens costs 3 target steps, more than drafting the rest of a
+        48-token reply can win back (auto 0.89x on code at T = 1, seen)."""
         if best < need * plain:  # the margin is for the forecast's noise
             return False
         catch_up = self.catch_up(behind)  # a known cost: no margin
