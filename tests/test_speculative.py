@@ -261,6 +261,35 @@ def test_lookup_proposes_what_followed_the_last_match():
     assert drafter.find(2) == []
 
 
+def scanned(history: list[int], g: int, longest: int = 3, shortest: int = 2) -> list[int]:
+    """What followed the most recent earlier match of the longest suffix, by scanning."""
+    for n in range(min(longest, len(history) - 1), shortest - 1, -1):
+        tail = history[-n:]
+        for s in range(len(history) - n - 1, -1, -1):
+            if history[s : s + n] == tail:
+                return history[s + n : s + n + g]
+    return []
+
+
+def test_lookups_index_finds_what_a_scan_of_the_whole_text_finds():
+    # The n-gram index is kept as the text grows; a scan reads the text afresh.
+    import random
+
+    from specmlx.drafters import LookupDrafter
+
+    rng = random.Random(0)
+    for _ in range(200):
+        drafter = LookupDrafter(16, sampled=False)
+        text = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
+        drafter.start(text)
+        for _ in range(5):
+            g = rng.randrange(1, 6)
+            assert drafter.find(g) == scanned(text, g)
+            emitted = [rng.randrange(4) for _ in range(rng.randrange(1, 4))]
+            drafter.commit(None, 0, emitted)
+            text += emitted
+
+
 def test_a_sessions_first_draft_proposal_is_not_taken_as_the_drafts_cost(no_eos):
     # In a fresh process it pays the draft model's one-time work (4x a pass on this CPU):
     # taken as the draft's cost, auto priced drafting out and never drafted again.

@@ -22,14 +22,29 @@ class LookupDrafter:
         # seldom follows here: on prose such guesses kept lookup looking (and losing).
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.history: list[int] = []
+        # n -> {n-gram: where its latest occurrence with a token after it starts}. Kept as
+        # the text grows, so a round's lookup is a few dict reads, not a scan of the whole
+        # text: the policy looks before the next pass starts, so the pass waits on it.
+        self.starts: dict[int, dict[tuple[int, ...], int]] = {}
         self._found: tuple[int, int, list[int]] = (-1, 0, [])  # (history length, g, found)
 
     def start(self, context: list[int]) -> None:
-        self.history = list(context)
+        self.history = []
+        self.starts = {n: {} for n in range(self.min_ngram, self.max_ngram + 1)}
+        self._extend(context)
+
+    def _extend(self, tokens: list[int]) -> None:
+        h = self.history
+        for token in tokens:
+            h.append(token)
+            end = len(h) - 1  # the new token follows every n-gram that ends just before it
+            for n, starts in self.starts.items():
+                if end >= n:
+                    starts[tuple(h[end - n : end])] = end - n
 
     def find(self, g: int) -> list[int]:
         """Up to g tokens that followed the most recent earlier match of the longest
-        suffix (of min_ngram to max_ngram tokens); one scan per round, whatever is asked
+        suffix (of min_ngram to max_ngram tokens); one lookup per round, whatever is asked
         (a shorter proposal is a prefix)."""
         length, longest, found = self._found
         if length == len(self.history) and g <= longest:
@@ -37,8 +52,7 @@ class LookupDrafter:
         h = self.history
         found = []
         for n in range(min(self.max_ngram, len(h) - 1), self.min_ngram - 1, -1):
-            tail = h[-n:]
-            start = next((s for s in range(len(h) - n - 1, -1, -1) if h[s : s + n] == tail), None)
+            start = self.starts[n].get(tuple(h[-n:]))
             if start is not None:
                 found = h[start + n : start + n + g]
                 break
@@ -50,5 +64,5 @@ class LookupDrafter:
         return Proposal(tokens, point_mass(tokens, self.vocab_size) if self.sampled else None)
 
     def commit(self, proposal: Proposal | None, accepted: int, emitted: list[int]) -> int:
-        self.history += emitted
+        self._extend(emitted)
         return 0
