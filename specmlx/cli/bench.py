@@ -83,7 +83,8 @@ def render(result: dict, console: Console) -> None:
         spec_modes = [m for m in modes if m != "target"]
         if len(categories) > 1 and spec_modes:
             by_cat = Table(
-                title=f"T={temp:g} · speedup by category (median of pairs, τ in brackets)",
+                title=f"T={temp:g} · speedup by category (median of pairs; τ, and the "
+                "end-to-end speedup with both prefills, in brackets)",
                 title_justify="left",
             )
             by_cat.add_column("category")
@@ -99,8 +100,10 @@ def render(result: dict, console: Console) -> None:
                         None,
                     )  # fmt: skip
                     n = max(n, row["prompts"] if row else 0)
+                    # results from before the end-to-end figure have none
+                    e2e = _num(row.get("e2e_speedup_median"), suffix="×") if row else "–"
                     cells.append(
-                        f"{row['speedup_median']:.2f}× ({_num(row['tau'])})"
+                        f"{row['speedup_median']:.2f}× ({_num(row['tau'])}; {e2e})"
                         if row and row["speedup_median"] is not None
                         else "–"
                     )
