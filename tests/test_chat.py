@@ -6,6 +6,7 @@ import os
 import pty
 import re
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -88,6 +89,9 @@ class Terminal:
     def __init__(self, argv: list[str], environment: dict):
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: become the program
+            # Ctrl-C as a terminal delivers it, even where this run was started in the
+            # background: a shell starts those with SIGINT ignored, and children inherit it.
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.execve(argv[0], argv, environment)
         self.seen = b""
 

@@ -47,6 +47,9 @@ def interrupt_once_started(args: list[str], home, started: str) -> tuple[int, st
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=env(home),
+        # SIGINT handled as at a terminal, even where this run was started in the
+        # background: a shell starts those with SIGINT ignored, and children inherit it.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     stdout, stderr = proc.stdout.fileno(), proc.stderr.fileno()
     seen = {stdout: b"", stderr: b""}
