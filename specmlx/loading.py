@@ -452,8 +452,8 @@ def same_file(a: Path, b: Path, name: str) -> bool:
 def check_pair(target: Model, draft: Model) -> None:
     """Refuse a draft whose tokenizer differs from the target's: its tokens mean other text."""
     # One tokenizer (load() shares it), or two read from the same bytes: models loaded
-    # apart, as the Python API's users do. Their vocabularies' compare costs ~0.5 s, at
-    # every generate() call that makes a Session.
+    # apart, as the Python API's users do, whose vocabularies' compare is slow and would
+    # run at every generate() call that makes a Session.
     if draft.tokenizer is target.tokenizer or same_file(target.path, draft.path, "tokenizer.json"):
         return
     if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():

@@ -270,6 +270,8 @@ def test_lookup_proposes_what_followed_the_last_match():
     assert drafter.find(4) == []
     drafter.start([7, 1, 2, 8, 2])  # only "2" recurs: one token is no match
     assert drafter.find(2) == []
+    drafter.start([7, 8, 9, 7, 8])  # as long as the last text: nothing of it is kept
+    assert drafter.find(2) == [9, 7]
 
 
 def scanned(history: list[int], g: int, longest: int = 3, shortest: int = 2) -> list[int]:

@@ -21,16 +21,17 @@ class LookupDrafter:
         # One token matches somewhere in almost any long text, and what followed it there
         # seldom follows here: on prose such guesses kept lookup looking (and losing).
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.start([])
+
+    def start(self, context: list[int]) -> None:
         self.history: list[int] = []
         # n -> {n-gram: where its latest occurrence with a token after it starts}. Kept as
         # the text grows, so a round's lookup is a few dict reads, not a scan of the whole
         # text: the policy looks before the next pass starts, so the pass waits on it.
-        self.starts: dict[int, dict[tuple[int, ...], int]] = {}
+        self.starts: dict[int, dict[tuple[int, ...], int]] = {
+            n: {} for n in range(self.min_ngram, self.max_ngram + 1)
+        }
         self._found: tuple[int, int, list[int]] = (-1, 0, [])  # (history length, g, found)
-
-    def start(self, context: list[int]) -> None:
-        self.history = []
-        self.starts = {n: {} for n in range(self.min_ngram, self.max_ngram + 1)}
         self._extend(context)
 
     def _extend(self, tokens: list[int]) -> None:

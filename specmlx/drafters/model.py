@@ -63,9 +63,9 @@ class ModelDrafter:
     def behind(self) -> int:
         """Tokens of the text it must take before it drafts from the last one: the call's
         prompt where it has not taken it yet, and what it missed while it sat out or
-        prompt lookup drafted. Drafting must win them back within the call: a 700-token
-        prompt costs the 0.5B draft ~85 of the 1.5B target's steps on this CPU, more than
-        a 64-token reply can save (bench/results, round 33)."""
+        prompt lookup drafted. Drafting must win them back within the call: on a CPU a
+        long prompt costs the draft more target steps than a short reply can save
+        (bench/results, round 33)."""
         return max(0, len(self.pending) - 1)
 
     def propose(self, g: int, key: mx.array, draw: Draw, go_on: GoOn | None = None) -> Proposal:
