@@ -4,10 +4,10 @@ A draft model pays for a call's prompt before its first draft (its prefill is ~0
 the target's per token on a 2-core CPU), so a long prompt with a short reply is cheaper
 decoded plain. A draft fed only the prompt's first `sink` and last `window` tokens would
 stay exact (any q is), and cheap; this measures what it would cost in agreement: the
-target's greedy reply to each long tune-split prompt, teacher-forced through the draft
-after the whole prompt and after each window, the share of reply tokens where the
-draft's argmax is the target's (what a γ = 1 round accepts at T = 0), and the draft's
-prefill seconds for each.
+target's greedy reply (up to 48 tokens) to each long tune-split prompt, teacher-forced
+through the draft after the whole prompt and after each window, the share of reply
+tokens where the draft's argmax is the target's (what a γ = 1 round accepts at T = 0),
+and the draft's prefill seconds for each.
 
     python bench/draft_window.py [--target DIR --draft DIR] [--min-tokens 250 --prompts 10]
 """
@@ -23,22 +23,12 @@ import mlx.core as mx
 from specmlx.bench import encode
 from specmlx.bench.suite import read_suite, select_prompts
 from specmlx.caches import make_cache, prefill
-from specmlx.loading import Model, load
+from specmlx.engine import generate
+from specmlx.loading import load
 from specmlx.paths import home
 
 CATEGORIES = ["summarization", "extraction", "humaneval", "writing"]  # tune split only
 WINDOWS = [(0, None), (32, 64), (32, 128), (32, 256), (0, 128)]  # (sink, window); None: all
-
-
-def greedy_reply(model: Model, ids: list[int], n: int) -> list[int]:
-    cache = make_cache(model.module)
-    prefill(model, cache, ids[:-1])
-    x, out = ids[-1], []
-    for _ in range(n):
-        logits = model.module(mx.array([[x]], mx.uint32), cache=cache)
-        x = logits[0, -1].argmax().item()
-        out.append(x)
-    return out
 
 
 def seen_by_draft(ids: list[int], sink: int, window: int | None) -> list[int]:
@@ -54,7 +44,7 @@ def main() -> None:
     ap.add_argument("--draft", default=str(models / "qwen2.5-coder-0.5b-instruct-int4"))
     ap.add_argument("--min-tokens", type=int, default=250, help="shortest prompt taken")
     ap.add_argument("--prompts", type=int, default=10)
-    ap.add_argument("--reply", type=int, default=48, help="reply tokens compared")
+    ap.add_argument("--reply", type=int, default=48, help="most reply tokens compared")
     args = ap.parse_args()
     target, draft = load(args.target), load(args.draft)
     chosen = []
@@ -66,7 +56,7 @@ def main() -> None:
     agree = {w: [] for w in WINDOWS}
     seconds = {w: [] for w in WINDOWS}
     for p, ids in chosen:
-        reply = greedy_reply(target, ids, args.reply)
+        reply = generate(target, ids, max_tokens=args.reply, temperature=0).run().tokens
         line = f"{p.id:22s} {len(ids):5d} tokens"
         for sink, window in WINDOWS:
             view = seen_by_draft(ids, sink, window)
