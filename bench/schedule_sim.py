@@ -246,6 +246,7 @@ def run_call(
         position = draft.position
         draft.seconds = 0.0
         plan = policy.plan(text.max_tokens - tokens)
+        policy.while_running()  # as the engine: the last round's reads, once this one runs
         asked = min(plan.gamma, text.tokens - tokens - 1)
         proposal = plan.drafter.propose(asked, None, None, plan.go_on) if asked > 0 else None
         g = 0 if proposal is None else proposal.tokens.shape[0]

@@ -434,6 +434,7 @@ def _decode(
                 set_state(cache, before)
         elif more and asked == 0 and pipeline:
             queued = _plain_pass(target, cache, draw, mx.array([last], mx.uint32), next_key)
+        policy.while_running()  # what the policy can learn with the next pass running
         for step in text.steps(emitted, n, max_tokens - stats.tokens):
             stats.tokens += 1
             if stats.tokens == 1:

@@ -605,8 +605,8 @@ def load_simulation():
 
 def test_replayed_on_mixed_texts_auto_finds_speculation_where_it_pays_and_loses_little():
     # 120 calls (code, prose, 8-token replies in turn), each pass's time ±10% at random,
-    # seed 0. Seeds 0-3 gave fp32 code 1.70-1.72x, prose 1.07x, short 1.00-1.07x; INT4
-    # code 1.00-1.08x, prose and short 0.997-1.00x (plain decoding but a rare look).
+    # seed 0. Seeds 0-3 gave fp32 code 1.66-1.76x, prose 1.10-1.11x, short 0.985-1.04x;
+    # INT4 code 1.00-1.06x, prose and short 0.988-1.00x (plain decoding but a rare look).
     sim = load_simulation()
     texts = list(sim.TEXTS.items())
     fp32 = sim.simulate("fp32", texts, [0, "auto"], 120, seed=0, noise=0.1)
@@ -631,7 +631,7 @@ def load_ablation():
 def test_each_ablated_part_is_really_off_where_the_ablation_says_it_pays(part, scenario):
     # bench/results/policy_ablation.md keeps each part for the case where turning it off
     # loses; a switch that silently changed nothing would make that table a lie. 60 calls,
-    # seed 0: full 1.054 / 0.995, off 1.004 / 0.934.
+    # seed 0: full 1.055 / 0.989, off 1.004 / 0.945.
     ablation = load_ablation()
     profile, texts, bursts = ablation.scenarios()[scenario]
     full, off = (

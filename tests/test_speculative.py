@@ -387,6 +387,27 @@ def test_the_drafts_backlog_counts_the_prompt_until_it_has_taken_it(no_eos):
     assert drafter.behind == 2
 
 
+def test_a_plain_rounds_confidence_is_read_after_the_next_pass_is_set_running(no_eos, monkeypatch):
+    # The read is a numpy pass over the vocabulary: done between a plain round's token and
+    # the next pass's start, it held that pass back every plain round.
+    from specmlx.policy.choice import Choice, Scheduler
+
+    log = []
+    sync, launch = mx.eval, mx.async_eval
+    monkeypatch.setattr(mx, "eval", lambda *a: log.append("sync") or sync(*a))
+    monkeypatch.setattr(mx, "async_eval", lambda *a: log.append("launch") or launch(*a))
+    monkeypatch.setattr(Scheduler, "choose", lambda *a, **k: Choice(0))
+    monkeypatch.setattr(Scheduler, "observe_confidence", lambda s, top: log.append("read"))
+    gen = specmlx.generate(
+        no_eos["target"], PROMPT, no_eos["perturbed"], max_tokens=12, draft_mode="model"
+    )
+    gen.run()
+    reads = [i for i, event in enumerate(log) if event == "read"]
+    assert len(reads) == gen.stats.tokens - 1  # not the reply's first round
+    for i in reads[:-1]:  # the last round sets no pass running
+        assert next(e for e in reversed(log[:i]) if e != "read") == "launch"
+
+
 def hopeless_draft(no_eos, monkeypatch, tmp_path):
     """A Session whose costs say T(1) is settled, verifying is nearly flat, and a draft
     pass costs fifty target steps: drafting is hopeless. Returns (session, its costs)."""

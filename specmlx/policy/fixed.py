@@ -21,5 +21,8 @@ class FixedGamma:
     def observe(self, round: Round) -> None:
         pass
 
+    def while_running(self) -> None:
+        pass
+
     def finish(self) -> None:
         pass

@@ -46,5 +46,10 @@ class Policy(Protocol):
     def observe(self, round: Round) -> None:
         """A finished round."""
 
+    def while_running(self) -> None:
+        """The engine has set the next pass running (or has none to run): what the policy
+        learns from a round that the next plan can do without happens here, off the path
+        from one pass to the next."""
+
     def finish(self) -> None:
         """The call is over (keep what was learnt)."""
