@@ -38,16 +38,18 @@ def main() -> None:
     prompt = encode(target, PROMPT, chat_template=True)
     choose, top_probability = Scheduler.choose, auto.top_probability
     sync, launch = mx.eval, mx.async_eval
-    synced, gaps = [0.0], []
+    synced, gaps = None, []  # when the last sync ended, if no pass has started since
 
     def timed_sync(*arrays):
+        nonlocal synced
         sync(*arrays)
-        synced[0] = time.perf_counter()
+        synced = time.perf_counter()
 
     def timed_launch(*arrays):
-        if synced[0]:
-            gaps.append(time.perf_counter() - synced[0])
-            synced[0] = 0.0
+        nonlocal synced
+        if synced is not None:
+            gaps.append(time.perf_counter() - synced)
+            synced = None
         launch(*arrays)
 
     mx.eval, mx.async_eval = timed_sync, timed_launch
