@@ -6,9 +6,12 @@ those: each round's
 verify time, grouped by what it was (plain, or a verify of a proposal from `source` with
 g drafts) and by whether the round before it was plain, medians in ms. A plain round's
 time is what is left of a pass already running (its Python work overlaps the pass), so
-the engine's own T(k)/T(1) sits above cost_curve.py's.
+the engine's own T(k)/T(1) sits above cost_curve.py's. The target alone runs interleaved
+with auto (fresh caches each call, as the bench does), so that auto's plain rounds and
+ms a token can be read against it: whether a reply auto keeps mostly plain costs more.
 
     python bench/round_times.py [--target DIR --draft DIR --prompts 6 --repeat 2]
+    python bench/round_times.py --ids spec_bench/113,spec_bench/151 --repeat 4
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from specmlx.bench import encode, read_suite, select_prompts
 from specmlx.engine import Stats
 from specmlx.paths import home
 
+MODES = {"alone": 0, "auto": "auto"}
+
 
 def main() -> None:
     models = home() / "models"
@@ -31,6 +36,7 @@ def main() -> None:
     ap.add_argument("--categories", default="writing,roleplay,qa,humanities")
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--ids", default="", help="these prompts (any split) instead of --categories")
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
     target, draft = specmlx.load(args.target), specmlx.load(args.draft)
@@ -42,20 +48,36 @@ def main() -> None:
         add_round(self, r)
 
     Stats.add_round = recording
-    prompts = select_prompts(read_suite(), "tune", args.categories.split(","), args.prompts)
-    times: dict[tuple[str, str], list[float]] = defaultdict(list)
+    suite = read_suite()
+    if args.ids:
+        by_id = {p.id: p for p in suite}
+        prompts = [by_id[i] for i in args.ids.split(",")]
+    else:
+        prompts = select_prompts(suite, "tune", args.categories.split(","), args.prompts)
+    times: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+    ms_per_token: dict[tuple[str, str], list[float]] = defaultdict(list)
     for prompt in prompts:
         ids = encode(target, prompt.text, chat_template=True)
-        for _ in range(args.repeat):
-            rounds.clear()
-            specmlx.generate(target, ids, draft, max_tokens=args.max_tokens).run()
-            for (before, _), (kind, seconds) in zip(rounds, rounds[1:], strict=False):
-                after = "after plain" if before == "plain" else "after a proposal"
-                times[kind, after].append(seconds * 1000)
-    print(f"{len(prompts)} prompts ({args.categories}) x {args.repeat}")
-    print("| round | after | n | median ms |\n| --- | --- | ---: | ---: |")
-    for (kind, after), ms in sorted(times.items()):
-        print(f"| {kind} | {after} | {len(ms)} | {median(ms):.1f} |")
+        for r in range(args.repeat):
+            for mode in ("alone", "auto") if r % 2 == 0 else ("auto", "alone"):
+                rounds.clear()
+                gen = specmlx.generate(
+                    target, ids, draft, max_tokens=args.max_tokens, num_draft=MODES[mode]
+                ).run()
+                stats = gen.stats
+                ms_per_token[prompt.id, mode].append(stats.decode_time / stats.tokens * 1000)
+                for (before, _), (kind, seconds) in zip(rounds, rounds[1:], strict=False):
+                    after = "after plain" if before == "plain" else "after a proposal"
+                    times[mode, kind, after].append(seconds * 1000)
+    print(f"{len(prompts)} prompts x {args.repeat}, the target alone and auto interleaved")
+    print("| prompt | alone ms/token | auto ms/token | auto speedup |")
+    print("| --- | ---: | ---: | ---: |")
+    for prompt in prompts:
+        alone, auto = (median(ms_per_token[prompt.id, m]) for m in ("alone", "auto"))
+        print(f"| {prompt.id} | {alone:.1f} | {auto:.1f} | {alone / auto:.3f} |")
+    print("\n| mode | round | after | n | median ms |\n| --- | --- | --- | ---: | ---: |")
+    for (mode, kind, after), ms in sorted(times.items()):
+        print(f"| {mode} | {kind} | {after} | {len(ms)} | {median(ms):.1f} |")
 
 
 if __name__ == "__main__":
