@@ -4,7 +4,10 @@ Random-init Qwen2.5-1.5B (target) and 0.5B (draft) shapes, INT4 g64 (MLX's affin
 format), in the backend's fast dtype, run through specmlx's engine. Random weights
 give near-uniform distributions, so acceptance here says nothing about real models;
 what this measures is the cost curve of verifying k tokens in one pass and what the
-auto-γ policy does with it. Prints a table and writes JSON.
+auto-γ policy does with it. With `--compiled both` (the default) everything is measured
+twice, the runs interleaved setting by setting: as MLX runs the modules, and with the
+norms, RoPEs and MLPs `mx.compile`d (specmlx.compiled, which the engine applies on the
+CPU only). Prints a table a setting and writes JSON.
 
     python bench/gpu_check.py --json OUT.json            # on the device (MLX CUDA/Metal)
     python bench/gpu_check.py --small --json /tmp/x.json  # smoke test on a CPU
@@ -27,6 +30,7 @@ from mlx_lm.models.cache import trim_prompt_cache
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 import specmlx
+from specmlx import compiled
 from specmlx.caches import make_cache
 from specmlx.loading import Model
 from specmlx.tiny import build_tiny_model
@@ -77,12 +81,55 @@ def target_step_times(
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+MODES = ["target alone", "γ=2", "γ=4", "γ=6", "auto", "self-draft γ=4"]
+GAMMAS = {"target alone": 0, "γ=2": 2, "γ=4": 4, "γ=6": 6, "auto": "auto", "self-draft γ=4": 4}
+
+
+def curves(target: Model, draft: Model) -> dict:
+    """The target's cost curve, at a repeated and at a growing KV length, and a draft step,
+    at the compile setting now in force."""
+    ks = [1, 2, 3, 4, 5, 6, 7, 9]
+    return {
+        "target_step_s": target_step_times(target, ks, context=128, reps=5),
+        "target_step_growing_s": target_step_times(target, ks, context=128, reps=5, grow=True),
+        "draft_step_s": target_step_times(draft, [1], context=128, reps=5)[1],
+        "runs": {name: [] for name in MODES},
+    }
+
+
+def run_modes(target: Model, draft: Model, runs: dict, tokens: int, seed: int) -> None:
+    """One generation a mode (T = 1), appended to `runs`; tokens=16 and runs={} warm up."""
+    prompt = list(range(40, 80))
+    for name in MODES:
+        d = target if name.startswith("self") else None if name == "target alone" else draft
+        gen = specmlx.generate(target, prompt, draft=d, num_draft=GAMMAS[name], seed=seed,
+                               max_tokens=tokens, temperature=1.0).run()  # fmt: skip
+        runs.setdefault(name, []).append(gen.stats.to_dict())
+
+
+def report(setting: str, m: dict) -> None:
+    curve, growing, ks = m["target_step_s"], m["target_step_growing_s"], list(m["target_step_s"])
+    print(f"-- modules {setting}")
+    print("T(k)/T(1): " + "  ".join(f"k={k}: {curve[k] / curve[1]:.2f}" for k in ks))
+    print("at new KV lengths, T(k) ms: " + "  ".join(f"k={k}: {growing[k] * 1e3:.1f}" for k in ks))
+    print(f"T(1) = {curve[1] * 1e3:.2f} ms, draft step = {m['draft_step_s'] * 1e3:.2f} ms")
+    base = statistics.median(r["decode_tps"] for r in m["runs"]["target alone"])
+    print(f"{'mode':16} {'tok/s':>8} {'speedup':>8} {'alpha':>6} {'tau':>5}  gamma used")
+    for name, rs in m["runs"].items():
+        tps = statistics.median(r["decode_tps"] for r in rs)
+        alpha = statistics.median(r["acceptance"] for r in rs)
+        tau = statistics.median(r["tokens_per_pass"] for r in rs)
+        used = rs[-1]["rounds_by_gamma"]
+        print(f"{name:16} {tps:8.1f} {tps / base:8.2f} {alpha:6.2f} {tau:5.2f}  {used}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--small", action="store_true", help="tiny shapes, for a CPU smoke test")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--compiled", choices=["both", "off", "on"], default="both")
     args = ap.parse_args()
     shapes = SMALL if args.small else QWEN
     vocab = 151936
@@ -92,26 +139,23 @@ def main() -> None:
     tokenizer.eos_token_ids = set()  # random weights: time fixed-length runs
     target = random_model(shapes["target"], vocab, dtype, tokenizer, 0)
     draft = random_model(shapes["draft"], vocab, dtype, tokenizer, 1)
-
-    ks = [1, 2, 3, 4, 5, 6, 7, 9]
-    curve = target_step_times(target, ks, context=128, reps=5)
-    growing = target_step_times(target, ks, context=128, reps=5, grow=True)
-    draft_curve = target_step_times(draft, [1], context=128, reps=5)
-    prompt = list(range(40, 80))
-    modes = [("target alone", None, 0), ("γ=2", draft, 2), ("γ=4", draft, 4), ("γ=6", draft, 6),
-             ("auto", draft, "auto"), ("self-draft γ=4", target, 4)]  # fmt: skip
-    runs: dict[str, list[dict]] = {name: [] for name, _, _ in modes}
-    for temperature in (1.0,):
-        for _ in range(1):  # warm-up: compile and allocate outside the timed runs
-            for _, d, g in modes:
-                specmlx.generate(target, prompt, draft=d, num_draft=g, max_tokens=16).run()
-        for rep in range(args.reps):
-            for name, d, g in modes:
-                gen = specmlx.generate(target, prompt, draft=d, num_draft=g, seed=rep,
-                                       max_tokens=args.tokens, temperature=temperature)  # fmt: skip
-                gen.run()
-                runs[name].append(gen.stats.to_dict())
-    base = statistics.median(r["decode_tps"] for r in runs["target alone"])
+    settings = ["off", "on"] if args.compiled == "both" else [args.compiled]
+    if "on" in settings:
+        patched = [compiled.patch_model(m.module, cpu_only=False) for m in (target, draft)]
+        print(f"compiled modules: {patched[0]} in the target, {patched[1]} in the draft")
+    was = compiled.enabled()
+    by_setting: dict[str, dict] = {}
+    try:
+        for setting in settings:  # the curves: each a median of interleaved passes
+            compiled.set_enabled(setting == "on")
+            run_modes(target, draft, {}, 16, 0)  # compile and allocate outside the timings
+            by_setting[setting] = curves(target, draft)
+        for rep in range(args.reps):  # the runs: settings interleaved, rep by rep
+            for setting in settings:
+                compiled.set_enabled(setting == "on")
+                run_modes(target, draft, by_setting[setting]["runs"], args.tokens, rep)
+    finally:
+        compiled.set_enabled(was)
     out = {
         "device": str(mx.default_device()),
         "machine": platform.node(),
@@ -119,24 +163,12 @@ def main() -> None:
         "dtype": str(dtype),
         "shapes": shapes,
         "kv_cache": type(make_cache(target.module)[0]).__name__,
-        "target_step_s": curve,
-        "target_step_growing_s": growing,
-        "draft_step_s": draft_curve[1],
-        "runs": runs,
+        "modules": by_setting,
     }
     print(f"device {out['device']}  mlx {mx.__version__}  dtype {dtype}")
     print(f"KV cache: {out['kv_cache']}")
-    print("T(k)/T(1): " + "  ".join(f"k={k}: {curve[k] / curve[1]:.2f}" for k in ks))
-    print("at new KV lengths, T(k) ms: " + "  ".join(f"k={k}: {growing[k] * 1e3:.1f}" for k in ks))
-    print(f"T(1) = {curve[1] * 1e3:.2f} ms, draft step = {draft_curve[1] * 1e3:.2f} ms")
-    print(f"{'mode':16} {'tok/s':>8} {'speedup':>8} {'alpha':>6} {'tau':>5}  gamma used")
-    for name, _, _ in modes:
-        rs = runs[name]
-        tps = statistics.median(r["decode_tps"] for r in rs)
-        alpha = statistics.median(r["acceptance"] for r in rs)
-        tau = statistics.median(r["tokens_per_pass"] for r in rs)
-        used = rs[-1]["rounds_by_gamma"]
-        print(f"{name:16} {tps:8.1f} {tps / base:8.2f} {alpha:6.2f} {tau:5.2f}  {used}")
+    for setting, m in by_setting.items():
+        report(setting, m)
     if args.json:
         args.json.write_text(json.dumps(out, indent=1, default=str))
 

@@ -66,6 +66,15 @@ def test_loading_compiles_every_norm_rope_and_mlp_the_native_ops_do_not_take(nam
     assert compiled.patch_model(model.module) == 0  # once is enough
 
 
+def test_a_model_on_a_gpu_is_compiled_only_when_asked(monkeypatch, model_dirs):
+    model = specmlx.load(model_dirs["llama"], native=False)
+    monkeypatch.setattr(compiled.mx, "default_device", lambda: mx.gpu)
+    assert compiled.patch_model(model.module) == 0
+    assert not any(isinstance(m, compiled._CompiledModule) for m in model.module.modules())
+    # 2 norms, a RoPE and an MLP a layer, and the final norm
+    assert compiled.patch_model(model.module, cpu_only=False) == 4 * len(model.module.layers) + 1
+
+
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
     """A tiny Gemma 3: its own RMSNorm class (scaled by 1 + weight), sliding windows."""
