@@ -51,6 +51,9 @@ def main() -> None:
     suite = read_suite()
     if args.ids:
         by_id = {p.id: p for p in suite}
+        unknown = [i for i in args.ids.split(",") if i not in by_id]
+        if unknown:
+            ap.error(f"no prompt {unknown[0]!r} in the suite; ids look like spec_bench/113")
         prompts = [by_id[i] for i in args.ids.split(",")]
     else:
         prompts = select_prompts(suite, "tune", args.categories.split(","), args.prompts)
