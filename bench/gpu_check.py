@@ -21,6 +21,7 @@ import platform
 import statistics
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import mlx.core as mx
@@ -81,10 +82,6 @@ def target_step_times(
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-MODES = ["target alone", "γ=2", "γ=4", "γ=6", "auto", "self-draft γ=4"]
-GAMMAS = {"target alone": 0, "γ=2": 2, "γ=4": 4, "γ=6": 6, "auto": "auto", "self-draft γ=4": 4}
-
-
 def curves(target: Model, draft: Model) -> dict:
     """The target's cost curve, at a repeated and at a growing KV length, and a draft step,
     at the compile setting now in force."""
@@ -93,18 +90,16 @@ def curves(target: Model, draft: Model) -> dict:
         "target_step_s": target_step_times(target, ks, context=128, reps=5),
         "target_step_growing_s": target_step_times(target, ks, context=128, reps=5, grow=True),
         "draft_step_s": target_step_times(draft, [1], context=128, reps=5)[1],
-        "runs": {name: [] for name in MODES},
     }
 
 
-def run_modes(target: Model, draft: Model, runs: dict, tokens: int, seed: int) -> None:
-    """One generation a mode (T = 1), appended to `runs`; tokens=16 and runs={} warm up."""
+def run_modes(target: Model, modes: list, runs: dict, tokens: int, seed: int) -> None:
+    """One generation (T = 1) a (name, draft, γ) of `modes`, its stats added to `runs`."""
     prompt = list(range(40, 80))
-    for name in MODES:
-        d = target if name.startswith("self") else None if name == "target alone" else draft
-        gen = specmlx.generate(target, prompt, draft=d, num_draft=GAMMAS[name], seed=seed,
+    for name, d, g in modes:
+        gen = specmlx.generate(target, prompt, draft=d, num_draft=g, seed=seed,
                                max_tokens=tokens, temperature=1.0).run()  # fmt: skip
-        runs.setdefault(name, []).append(gen.stats.to_dict())
+        runs[name].append(gen.stats.to_dict())
 
 
 def report(setting: str, m: dict) -> None:
@@ -139,6 +134,8 @@ def main() -> None:
     tokenizer.eos_token_ids = set()  # random weights: time fixed-length runs
     target = random_model(shapes["target"], vocab, dtype, tokenizer, 0)
     draft = random_model(shapes["draft"], vocab, dtype, tokenizer, 1)
+    modes = [("target alone", None, 0), ("γ=2", draft, 2), ("γ=4", draft, 4), ("γ=6", draft, 6),
+             ("auto", draft, "auto"), ("self-draft γ=4", target, 4)]  # fmt: skip
     settings = ["off", "on"] if args.compiled == "both" else [args.compiled]
     if "on" in settings:
         patched = [compiled.patch_model(m.module, cpu_only=False) for m in (target, draft)]
@@ -148,12 +145,13 @@ def main() -> None:
     try:
         for setting in settings:  # the curves: each a median of interleaved passes
             compiled.set_enabled(setting == "on")
-            run_modes(target, draft, {}, 16, 0)  # compile and allocate outside the timings
-            by_setting[setting] = curves(target, draft)
+            # compile and allocate outside the timings
+            run_modes(target, modes, defaultdict(list), 16, 0)
+            by_setting[setting] = {**curves(target, draft), "runs": defaultdict(list)}
         for rep in range(args.reps):  # the runs: settings interleaved, rep by rep
             for setting in settings:
                 compiled.set_enabled(setting == "on")
-                run_modes(target, draft, by_setting[setting]["runs"], args.tokens, rep)
+                run_modes(target, modes, by_setting[setting]["runs"], args.tokens, rep)
     finally:
         compiled.set_enabled(was)
     out = {

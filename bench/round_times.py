@@ -50,11 +50,11 @@ def main() -> None:
     Stats.add_round = recording
     suite = read_suite()
     if args.ids:
-        by_id = {p.id: p for p in suite}
-        unknown = [i for i in args.ids.split(",") if i not in by_id]
+        by_id, wanted = {p.id: p for p in suite}, args.ids.split(",")
+        unknown = [i for i in wanted if i not in by_id]
         if unknown:
             ap.error(f"no prompt {unknown[0]!r} in the suite; ids look like spec_bench/113")
-        prompts = [by_id[i] for i in args.ids.split(",")]
+        prompts = [by_id[i] for i in wanted]
     else:
         prompts = select_prompts(suite, "tune", args.categories.split(","), args.prompts)
     times: dict[tuple[str, str, str], list[float]] = defaultdict(list)
