@@ -1,6 +1,6 @@
 #!/bin/bash
 # Short real-model check: Qwen2.5-Coder 0.5B INT4 vs fp32-expanded, greedy, same prompt.
-cd /work/main && . .venv/bin/activate
+cd . && . .venv/bin/activate
 M=~/.cache/specmlx/models/qwen2.5-coder-0.5b-instruct-int4
 for w in fp32 int4 fp32 int4; do
   SPECMLX_THREADS=1 python -m specmlx generate -m $M --no-draft -n 24 --cpu-weights $w --json \
