@@ -66,8 +66,10 @@ def sample(probs: mx.array, key: mx.array) -> mx.array:
     probability zero is never drawn.
 
     By inverse CDF, one uniform draw per stage: MLX's exp, log and random bits are scalar
-    on a CPU, so Gumbel noise over a 152k vocabulary (mx.random.categorical) costs 5.9 ms
-    a row, against 0.3-0.5 ms for this: 4% of a 1.5B INT4 target step, 8% of a 0.5B draft pass.
+    on a CPU, so Gumbel noise (mx.random.categorical) draws a uniform and takes two logs
+    for every token of the vocabulary, every row, where this draws two uniforms a row and
+    otherwise only adds: a sampled row stops being a visible share of a draft pass or a
+    verify (bench/results/ARCHIVE.md, `auto-vs-fixed-int4-humaneval-10`).
     """
     u = 1.0 - mx.random.uniform(shape=(2, *probs.shape[:-1]), key=key)  # in (0, 1]
     return inverse_cdf(probs, u[0], u[1])

@@ -31,8 +31,10 @@ from .summary import compare_to_target, summarize
 
 WARMUP_TEXT = "Write one short sentence about the sea."
 # A block (one prompt's runs in every mode) during which the hypervisor took more than this
-# share of the CPUs' time is timed again, up to RETIMES times: on this shared VM a run that
-# loses 12% of the CPUs to steal decodes 15-30% slower, while runs without it vary ~4%.
+# share of the CPUs' time is timed again, up to RETIMES times: on a shared VM a run that
+# loses CPUs to steal slows by more than runs without it vary, so one such block would move a
+# prompt's ratio more than the modes being compared do (bench/results/ARCHIVE.md,
+# `auto-prose-int4-30`).
 STEAL_LIMIT = 0.02
 RETIMES = 2
 

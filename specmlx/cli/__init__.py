@@ -73,7 +73,7 @@ COMMANDS = ("bench", "chat", "generate", "models", "quantize", "serve")
 
 def _register(argv: list[str]) -> None:
     """Import the command being run, or all of them for the top-level help: the others
-    would add up to ~0.1 s of imports (rich tables, the bench) to every cold start."""
+    would add their imports (rich tables, the bench) to every cold start."""
     named = next((arg for arg in argv if not arg.startswith("-")), None)
     for name in [named] if named in COMMANDS else COMMANDS:
         import_module(f".{name}", __name__)

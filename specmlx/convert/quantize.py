@@ -354,7 +354,8 @@ def quantize(
     """Convert `src` (HF dir, hub id or .gguf) into an MLX quantized directory at `out`.
 
     `embed_bits` applies to the embedding and output head (16 keeps them unquantized; 6,
-    the default, costs +0.1% NLL against 8 bits and reads 3/4 of their bytes);
+    the default, costs +0.1% NLL against 8 bits and reads 3/4 of their bytes:
+    bench/results/ARCHIVE.md, Round 25, "6-bit embedding and head");
     `dtype` is that of scales, biases and unquantized tensors (default: the source's
     float16/bfloat16, else float16).
     """
