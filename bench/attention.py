@@ -1,17 +1,20 @@
-"""Microbenchmark: specmlx's native attention vs mx.fast.scaled_dot_product_attention on
-the CPU, at the decode (Lq = 1) and verify (Lq = 4, 8, causal) shapes of the project's two
-Qwen2.5 models, or (--windows) of Gemma 3 270M's sliding-window layers.
+"""specmlx's native attention against MLX's on the CPU, at decode and verify shapes.
 
-    python bench/attention.py                        # the table, printed
-    python bench/attention.py --out bench/results/attention.md
-    python bench/attention.py --windows --out bench/results/attention_windows.md
+The decode (Lq = 1) and verify (Lq = 4, 8, causal) shapes of the project's two Qwen2.5
+models, or (--windows) of Gemma 3 270M's sliding-window layers.
+
+    python -m bench attention                        # the table, printed
+    python -m bench attention --out bench/results/attention.md
+    python -m bench attention --windows --out bench/results/attention_windows.md
 
 A cell is one model's worth of layers: every layer's attention over its own KV cache
 (so a layer's K and V are not still in cache from the layer before, as in a real pass),
 each cache a `[..., :L, :]` view of a buffer 256 positions longer, as mlx-lm's KVCache
-passes them. All the layers are one `mx.eval`, MLX's per-op dispatch included. The two
-implementations alternate within every repeat, so that load from other processes hits
-both alike; the figures are medians.
+passes them. Both sides are the functions a model calls: mlx-lm's
+`scaled_dot_product_attention` (mx.fast's op) and specmlx.cpu.attention's, which runs the
+native op where it applies (each asserted to). All the layers are one `mx.eval`, MLX's
+per-op dispatch included. The two implementations alternate within every repeat, so that
+load from other processes hits both alike; the figures are medians.
 
 --windows: each layer's cache is mlx-lm's RotatingKVCache of the model's window, filled
 to L positions by a prompt chunk and 7 decode steps (so a wrapped ring's newest key sits
@@ -24,15 +27,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import subprocess
 import sys
-import time
 from collections.abc import Callable
 
 import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
 
+from bench.timing import cpu_name, interleaved_seconds, median, write_atomic
 from specmlx.cpu import attention, native
 
 # name: (layers, query heads, KV heads, head size)
@@ -48,18 +49,6 @@ QUERY_ROWS = (1, 4, 8)
 SPARE = 256  # buffer positions past L: the cache grows in steps of 256
 
 
-def cpu_name() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    return f"{fields.get('Model name', '?').strip()}, {os.cpu_count()} CPUs"
-
-
-def timed(fn: Callable[[], list[mx.array]]) -> float:
-    start = time.perf_counter()
-    mx.eval(fn())
-    return (time.perf_counter() - start) * 1e3
-
-
 def alternate(
     mlx_layers: Callable[[], list[mx.array]], native_layers: Callable[[], list[mx.array]], reps: int
 ) -> tuple[float, float, float]:
@@ -68,16 +57,10 @@ def alternate(
     diff = max(
         (mx.abs(a - b).max() / mx.abs(a).max()).item() for a, b in zip(want, got, strict=True)
     )
-    timed(mlx_layers), timed(native_layers)  # warm-up
-    theirs, ours = [], []
-    for rep in range(reps):
-        if rep % 2:
-            ours.append(timed(native_layers))
-            theirs.append(timed(mlx_layers))
-        else:
-            theirs.append(timed(mlx_layers))
-            ours.append(timed(native_layers))
-    return statistics.median(theirs), statistics.median(ours), diff
+    evaluated = {"mlx": mlx_layers, "native": native_layers}
+    evaluated = {name: (lambda f=f: mx.eval(f())) for name, f in evaluated.items()}
+    ms = interleaved_seconds(evaluated, reps)  # one warm-up call each first
+    return median(ms["mlx"]) * 1e3, median(ms["native"]) * 1e3, diff
 
 
 def window_cell(model: str, length: int, rows: int, reps: int) -> tuple[float, float, float]:
@@ -122,39 +105,38 @@ def cell(model: str, length: int, rows: int, reps: int) -> tuple[float, float, f
     caches = [(k[..., :length, :], v[..., :length, :]) for k, v in buffers]
     mask = "causal" if rows > 1 else None
     scale = d**-0.5
+    assert all(
+        attention.supports(q, k, v, None, mask) for q, (k, v) in zip(qs, caches, strict=True)
+    )
 
-    def mlx_layers() -> list[mx.array]:
-        return [
-            mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    def run(fn: Callable) -> Callable[[], list[mx.array]]:
+        return lambda: [
+            fn(q, k, v, cache=None, scale=scale, mask=mask)
             for q, (k, v) in zip(qs, caches, strict=True)
         ]
 
-    def native_layers() -> list[mx.array]:
-        return [
-            native._ext.scaled_dot_product_attention(q, k, v, scale, rows > 1)
-            for q, (k, v) in zip(qs, caches, strict=True)
-        ]
-
-    return alternate(mlx_layers, native_layers, reps)
+    return alternate(
+        run(attention.mlx_attention), run(attention.scaled_dot_product_attention), reps
+    )
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--out", help="also write the table to this markdown file")
     parser.add_argument(
         "--windows", action="store_true", help="Gemma 3 270M's sliding-window layers instead"
     )
-    args = parser.parse_args()
-    if not native.available() or not hasattr(native._ext, "scaled_dot_product_attention"):
+    args = parser.parse_args(argv)
+    if not attention.available():
         print(f"native attention unavailable: {native.reason() or 'build without it'}")
         return 1
+    attention.set_mode("native")  # whatever SPECMLX_ATTENTION says: the native side is timed
     load = os.getloadavg()[0]
     lines = [
-        f"cpu: {cpu_name()}; kernel: {native._ext.isa()}, {native.threads()} threads; "
-        f"load average {load:.1f} at the start",
+        f"cpu: {cpu_name()}; kernel: {native.describe()}; load average {load:.1f} at the start",
         "",
-        "| model | L | Lq | mask | mx.fast ms | native ms | speedup | max rel diff |",
+        "| model | L | Lq | mask | mlx ms | native ms | speedup | max rel diff |",
         "|---|---:|---:|---|---:|---:|---:|---:|",
     ]
     print("\n".join(lines), flush=True)
@@ -181,12 +163,5 @@ def main() -> int:
     lines += ["", f"load average {os.getloadavg()[0]:.1f} at the end"]
     print(lines[-1])
     if args.out:
-        tmp = f"{args.out}.tmp"
-        with open(tmp, "w") as f:
-            f.write(" ".join(["python", *sys.argv]) + "\n\n" + "\n".join(lines) + "\n")
-        os.replace(tmp, args.out)
+        write_atomic(args.out, " ".join(sys.argv) + "\n\n" + "\n".join(lines) + "\n")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

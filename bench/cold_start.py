@@ -1,6 +1,7 @@
-"""Cold start: process launch to both models ready and to the first token, and the memory
-a loaded pair holds, for specmlx with its weights mapped and with them copied (mx.load),
-mlx-lm, and llama.cpp when a build is cached.
+"""Cold start: launch to both models ready and to the first token, and a loaded pair's memory.
+
+For specmlx with its weights mapped and with them copied (mx.load), mlx-lm, and llama.cpp
+when a build is cached.
 
 Start-up: each run is a fresh subprocess that generates ONE token from a short prompt
 (greedy, same target and draft for every tool), so its wall time is interpreter + imports
@@ -9,7 +10,7 @@ Start-up: each run is a fresh subprocess that generates ONE token from a short p
 each run. mlx-lm is timed loading the pair (`mlx_lm.load` of both, weights evaluated) and
 exiting, not to its first token: its bf16 activations make INT4 on x86 CPUs minutes per
 token (bench/results/cold_start_qwen2.5-coder-1.5b+0.5b.md). llama.cpp (mmap-loaded GGUFs,
-its default) runs `llama-speculative -n 1` when bench/llamacpp.py has built it and the
+its default) runs `llama-speculative -n 1` when `python -m bench llamacpp` has built it and the
 pair's GGUFs are at $SPECMLX_HOME/gguf. The variants alternate run by run (the order
 reverses every other run) and the figures are medians, so a busy moment on a shared
 machine lands on all alike.
@@ -29,8 +30,8 @@ largest file-backed set: what the pair of processes costs the machine.
 Decode (--decode): the target loaded twice in this process, mapped and copied, decodes
 the same greedy reply alternately; tokens must match, tok/s are medians.
 
-    python bench/cold_start.py                     # the tiny demo pair
-    python bench/cold_start.py --model DIR --draft DIR --runs 3 --memory --decode \
+    python -m bench cold_start                     # the tiny demo pair
+    python -m bench cold_start --model DIR --draft DIR --runs 3 --memory --decode \
         --out bench/results/cold_start_X
 """
 
@@ -40,14 +41,13 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+from bench.timing import cpu_name, median, orders, portable, timed, write_atomic
+
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
-LLAMA_BUILDS = Path.home() / ".cache/specmlx/llama.cpp"
 MB = 1024 * 1024
 
 # Loads the pair as `specmlx generate` does, decodes a few tokens with two drafts a round
@@ -79,8 +79,11 @@ def drop_page_cache() -> bool:
 
 
 def llama_speculative() -> Path | None:
-    """The newest cached llama.cpp build's llama-speculative, if bench/llamacpp.py made one."""
-    found = sorted(LLAMA_BUILDS.glob("*/bin/llama-speculative"), key=lambda p: p.stat().st_mtime)
+    """The newest cached llama.cpp build's llama-speculative, if bench.llamacpp made one."""
+    from specmlx.paths import home
+
+    builds = home() / "llama.cpp"
+    found = sorted(builds.glob("*/bin/llama-speculative"), key=lambda p: p.stat().st_mtime)
     return found[-1] if found else None
 
 
@@ -110,19 +113,15 @@ def variants(model: str, draft: str | None, prompt: str) -> dict[str, tuple[list
 
 
 def timed_run(argv: list[str], env: dict) -> dict:
-    start = time.perf_counter()
-    done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, **env})
-    wall = time.perf_counter() - start
+    done, wall = timed(
+        lambda: subprocess.run(argv, capture_output=True, text=True, env={**os.environ, **env})
+    )
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(argv[:5])} ... failed:\n{done.stderr[-2000:]}")
     run = {"wall_s": wall}
     if "--json" in argv:
         run["specmlx"] = json.loads(done.stdout)["timings"]
     return run
-
-
-def median(values) -> float:
-    return statistics.median(values)
 
 
 def summarize(results: dict) -> list[str]:
@@ -210,8 +209,8 @@ def decode_mapped_vs_copied(model: str, rounds: int = 5, tokens: int = 48) -> di
     ids = encode_prompt(loaded["specmlx mapped"], "def quicksort(items):")
     tps: dict[str, list[float]] = {name: [] for name in loaded}
     replies = {}
-    for i in range(rounds):
-        for name in list(loaded) if i % 2 == 0 else list(reversed(loaded)):
+    for _, order in orders(loaded, rounds):
+        for name in order:
             gen = generate(loaded[name], ids, max_tokens=tokens, temperature=0, num_draft=0)
             replies[name] = [step.token for step in gen]
             tps[name].append(gen.stats.decode_tps)
@@ -224,7 +223,7 @@ def decode_lines(decode: dict) -> list[str]:
     return [f"decode, target alone, greedy ({same} tokens): {speeds} (medians)"]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="target model dir (default: the tiny demo pair)")
     parser.add_argument("--draft", help="draft model dir (default: the demo draft)")
@@ -237,7 +236,7 @@ def main() -> None:
     parser.add_argument("--memory", action="store_true", help="also two processes' memory")
     parser.add_argument("--decode", action="store_true", help="also decode mapped vs copied")
     parser.add_argument("--out", help="write OUT.json and OUT.md")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     if args.model is None:
         from specmlx.models import tiny_demo_pair
@@ -257,8 +256,7 @@ def main() -> None:
         if cache == "warm":
             for argv, env in runs_of.values():  # fill the page cache (and __pycache__)
                 timed_run(argv, env)
-        for i in range(args.runs):
-            order = list(runs_of) if i % 2 == 0 else list(reversed(runs_of))
+        for _, order in orders(runs_of, args.runs):
             for name in order:
                 if cache == "dropped":
                     drop_page_cache()
@@ -279,12 +277,11 @@ def main() -> None:
 
     if args.out:
         meta = {
-            "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-            "model": target,
-            "draft": draft,
+            "command": " ".join(portable(a) if os.path.isabs(a) else a for a in sys.argv),
+            "model": portable(target),
+            "draft": portable(draft) if draft else None,
             "prompt": args.prompt,
-            "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cpus, "
-            f"{cpu_name()}",
+            "machine": f"{platform.system()} {platform.machine()}, {cpu_name()}",
             "page_cache_dropped": can_drop,
             "git": subprocess.run(
                 ["git", "describe", "--always", "--dirty"], capture_output=True, text=True
@@ -294,27 +291,10 @@ def main() -> None:
         out = Path(args.out)  # a name like cold_start_qwen2.5-coder: no suffix to replace
         record = {**meta, "runs": results, "memory": memory, "weights_bytes": weights_bytes}
         record["decode"] = decode
-        write_atomically(out.with_name(out.name + ".json"), json.dumps(record, indent=1))
+        write_atomic(out.with_name(out.name + ".json"), json.dumps(record, indent=1))
         md = [f"# Cold start: `{meta['command']}`", ""]
         md += [f"- {k}: {v}" for k, v in meta.items() if k != "command"]
         body = summarize(results) + (memory_lines(memory, weights_bytes) if memory else [])
         body += decode_lines(decode) if decode else []
         md += ["", "```", *body, "```", ""]
-        write_atomically(out.with_name(out.name + ".md"), "\n".join(md))
-
-
-def write_atomically(path: Path, text: str) -> None:
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    partial.replace(path)
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
-
-
-if __name__ == "__main__":
-    main()
+        write_atomic(out.with_name(out.name + ".md"), "\n".join(md))

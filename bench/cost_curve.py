@@ -9,36 +9,39 @@ catch-up" is the draft's own pass over k tokens (a draft that sat out k - 1 plai
 takes them with its first pass), as a ratio to its one-token pass: the policy prices it
 on the target's curve.
 
-    python bench/cost_curve.py --target TARGET_DIR --draft DRAFT_DIR [--kmax 9 --repeat 5]
-    python bench/cost_curve.py ... --isa avx2   # the AVX2 kernels on an AVX-512 CPU
+    python -m bench cost_curve --target TARGET_DIR --draft DRAFT_DIR [--kmax 9 --repeat 5]
+    python -m bench cost_curve ... --isa avx2   # the AVX2 kernels on an AVX-512 CPU
 """
 
 from __future__ import annotations
 
 import argparse
-from statistics import median
+import os
+import sys
 
-from specmlx.bench import encode
-from specmlx.caches import make_cache, prefill, timed_pass
-from specmlx.loading import load
+from bench.timing import median
 
 PROMPT = "Write a python function that adds two numbers and explain it."
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", required=True)
     parser.add_argument("--draft", required=True)
     parser.add_argument("--kmax", type=int, default=9)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--isa", help="force the native kernels' ISA: avx512, avx2 or scalar")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.isa:
-        from specmlx.cpu import native
+        # The kernel reads SPECMLX_ISA once, when it is first imported (by the load below).
+        if "specmlx.cpu.native" in sys.modules and os.environ.get("SPECMLX_ISA") != args.isa:
+            raise SystemExit(f"--isa comes too late here: run with SPECMLX_ISA={args.isa}")
+        os.environ["SPECMLX_ISA"] = args.isa
 
-        if not native.available():
-            raise SystemExit(f"--isa needs the native kernel: {native.reason()}")
-        native._ext.set_isa(args.isa)
+    from specmlx.bench import encode
+    from specmlx.caches import make_cache, prefill, timed_pass
+    from specmlx.loading import load
+
     target, draft = load(args.target), load(args.draft)
     ids = encode(target, PROMPT, chat_template=True)
     models = {"target": target, "draft": draft}
@@ -74,7 +77,3 @@ def main() -> None:
     print("alone:       " + "  ".join(f"{k}: {median(v) / t1:.2f}" for k, v in alone.items()))
     print("after drafts: " + "  ".join(f"{k}: {median(v) / t1:.2f}" for k, v in after.items()))
     print("draft catch-up: " + "  ".join(f"{k}: {median(v) / d1:.2f}" for k, v in catch_up.items()))
-
-
-if __name__ == "__main__":
-    main()

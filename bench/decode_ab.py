@@ -1,10 +1,12 @@
-"""Whole plain decode of builds or models against each other: one process a run, the
-variants alternating (the order reversed every other repeat), so that a change to the
-kernel or to a checkpoint is measured as a user sees it, from load to the last token.
+"""Whole plain decode of two builds, checkpoints or settings against each other, as a user runs it.
 
-    python bench/decode_ab.py --variant base=- --variant packed=/tmp/var/packed --repeat 7
-    python bench/decode_ab.py --variant h8=-:$M/q15-h8 --variant h6=-:$M/q15-h6
-    python bench/decode_ab.py --variant packed=- --variant plain=- --env plain:SPECMLX_PACK=0
+One process a run, the variants alternating (the order reversed every other repeat), so
+that a change to the kernel or to a checkpoint is measured as a user sees it, from load
+to the last token.
+
+    python -m bench decode_ab --variant base=- --variant packed=/tmp/var/packed --repeat 7
+    python -m bench decode_ab --variant h8=-:$M/q15-h8 --variant h6=-:$M/q15-h6
+    python -m bench decode_ab --variant packed=- --variant plain=- --env plain:SPECMLX_PACK=0
 
 A variant is NAME=TREE[:MODEL]: TREE a copy of the repository (its `specmlx` package, with
 its own built extension, goes first on PYTHONPATH; `-` for the installed one), MODEL a
@@ -18,10 +20,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from bench.timing import interleave, median
 
 PROMPT = "Write a Python function that tells whether a number is prime."
 CHILD = """
@@ -54,17 +57,20 @@ def run_once(tree: str, model: str, extra: dict, tokens: int) -> tuple[float, st
     return float(out[0]), out[1]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variant", action="append", required=True, help="NAME=TREE[:MODEL]")
     parser.add_argument(
-        "--model",
-        default=str(Path.home() / ".cache/specmlx/models" / "qwen2.5-coder-1.5b-instruct-int4"),
+        "--model", help="default: $SPECMLX_HOME/models/qwen2.5-coder-1.5b-instruct-int4"
     )
     parser.add_argument("--env", action="append", default=[], help="NAME:KEY=VALUE")
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--tokens", type=int, default=96)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.model is None:
+        from specmlx.paths import home
+
+        args.model = str(home() / "models" / "qwen2.5-coder-1.5b-instruct-int4")
     variants = {}
     for spec in args.variant:
         name, _, rest = spec.partition("=")
@@ -76,24 +82,22 @@ def main() -> None:
         if name not in variants or not key:
             parser.error(f"--env {spec!r}: want NAME:KEY=VALUE for a --variant NAME")
         variants[name][2][key] = value
-    rates: dict[str, list[float]] = {name: [] for name in variants}
-    hashes: dict[str, set[str]] = {name: set() for name in variants}
-    for r in range(args.repeat):
-        order = list(variants) if r % 2 == 0 else list(variants)[::-1]
-        for name in order:
+
+    def run(name: str):
+        def once(r: int) -> tuple[float, str]:
             rate, digest = run_once(*variants[name], args.tokens)
-            rates[name].append(rate)
-            hashes[name].add(digest)
             print(f"repeat {r + 1}: {name} {rate:.2f} tok/s (tokens {digest})", flush=True)
+            return rate, digest
+
+        return once
+
+    runs = interleave({name: run(name) for name in variants}, args.repeat)
+    rates = {name: [rate for rate, _ in values] for name, values in runs.items()}
     first = next(iter(variants))
     for name, values in rates.items():
         ratios = [a / b for a, b in zip(values, rates[first], strict=True)]
         print(
-            f"{name}: median {statistics.median(values):.2f} tok/s; against {first} "
-            f"{statistics.median(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f}); "
-            f"tokens {', '.join(sorted(hashes[name]))}"
+            f"{name}: median {median(values):.2f} tok/s; against {first} "
+            f"{median(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f}); "
+            f"tokens {', '.join(sorted({digest for _, digest in runs[name]}))}"
         )
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""Two versions of the engine side by side: auto's speed against the target alone.
+"""Two versions of the engine side by side: each one's auto against the target alone.
 
 The working tree's specmlx/engine.py and the one of another commit (`--old`, loaded from
 git as a module of its own beside the rest of today's package) decode the same prompts
@@ -9,7 +9,7 @@ one persisted cost curve of the pair. Per category: the median over prompts and 
 of each version's decode tok/s over the target alone's in the same block, and the
 median of new / old. Greedy runs must give the target's tokens in both versions.
 
-    python bench/engine_ab.py --old HEAD~1 --temperature 1 \\
+    python -m bench engine_ab --old HEAD~1 --temperature 1 \\
         --categories qa,writing,translation,summarization --prompts 16 --repeat 2
 """
 
@@ -21,11 +21,10 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from statistics import median
 
 import specmlx
+from bench.timing import median, orders, steal_during
 from specmlx import engine
-from specmlx.bench.machine import cpu_times, steal_share
 from specmlx.bench.runners import encode
 from specmlx.bench.suite import read_suite, select_prompts
 from specmlx.paths import home
@@ -53,7 +52,7 @@ def old_engine(commit: str):
     return module
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     models = home() / "models"
     ap.add_argument("--model", default=str(models / "qwen2.5-coder-1.5b-instruct-int4"))
@@ -65,7 +64,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--json", help="write every run here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     old = old_engine(args.old)
     target, draft = specmlx.load(args.model), specmlx.load(args.draft)
@@ -103,17 +102,19 @@ def main() -> None:
     for name in names:  # one-time work (kernels, the cost curve) out of the timed runs
         versions[name](warm, 0).run()
     runs = []
-    for block, (p, r) in enumerate((p, r) for r in range(args.repeat) for p in prompts):
+    blocks = [(p, r) for r in range(args.repeat) for p in prompts]
+    for (p, r), (_, order) in zip(blocks, orders(names, len(blocks), "rotate"), strict=True):
         ids = encode(target, p.text, True)
-        order = names[block % 3 :] + names[: block % 3]
         row = {"prompt": p.id, "category": p.category, "repeat": r}
-        before = cpu_times()
-        for name in order:
-            gen = versions[name](ids, r).run()
-            row[name] = gen.stats.decode_tps
-            row[name + "_tokens"] = gen.tokens
-            row[name + "_rounds"] = gen.stats.rounds_by_gamma
-        row["steal"] = steal_share(before, cpu_times())
+
+        def block(row=row, ids=ids, order=order, r=r) -> None:
+            for name in order:
+                gen = versions[name](ids, r).run()
+                row[name] = gen.stats.decode_tps
+                row[name + "_tokens"] = gen.tokens
+                row[name + "_rounds"] = gen.stats.rounds_by_gamma
+
+        _, row["steal"] = steal_during(block)
         if args.temperature == 0:
             assert row["new_tokens"] == row["target_tokens"] == row["old_tokens"], p.id
         runs.append(row)
@@ -136,7 +137,3 @@ def main() -> None:
         print(f"{category:14} {len(rows):3}   {new:.3f}       {old_:.3f}       {both:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"argv": sys.argv, "runs": runs}, indent=1))
-
-
-if __name__ == "__main__":
-    main()

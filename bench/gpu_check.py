@@ -1,4 +1,4 @@
-"""Where verification is memory-bound: T(k)/T(1) and speculative speed on a GPU.
+"""On a GPU: the cost curve T(k)/T(1) and what speculation and auto γ make of it.
 
 Random-init Qwen2.5-1.5B (target) and 0.5B (draft) shapes, INT4 g64 (MLX's affine
 format), in the backend's fast dtype, run through specmlx's engine. Random weights
@@ -9,8 +9,8 @@ twice, the runs interleaved setting by setting: as MLX runs the modules, and wit
 norms, RoPEs and MLPs `mx.compile`d (specmlx.compiled, which the engine applies on the
 CPU only). Prints a table a setting and writes JSON.
 
-    python bench/gpu_check.py --json OUT.json            # on the device (MLX CUDA/Metal)
-    python bench/gpu_check.py --small --json /tmp/x.json  # smoke test on a CPU
+    python -m bench gpu_check --json OUT.json            # on the device (MLX CUDA/Metal)
+    python -m bench gpu_check --small --json /tmp/x.json  # smoke test on a CPU
 """
 
 from __future__ import annotations
@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import tempfile
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -31,6 +29,7 @@ from mlx_lm.models.cache import trim_prompt_cache
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 import specmlx
+from bench.timing import eval_seconds, median
 from specmlx import compiled
 from specmlx.caches import make_cache
 from specmlx.loading import Model
@@ -74,12 +73,10 @@ def target_step_times(
     times: dict[int, list[float]] = {k: [] for k in ks}
     for _ in range(reps):
         for k in ks:  # interleaved, so drift hits every k alike
-            x = (mx.arange(k)[None] + 7) % 300
-            t = time.perf_counter()
-            mx.eval(model.module(x, cache=cache))
-            times[k].append(time.perf_counter() - t)
+            x = (mx.arange(k)[None] + 7) % 300  # lazy: evaluated with the pass, as before
+            times[k].append(eval_seconds(lambda x=x: model.module(x, cache=cache)))
             trim_prompt_cache(cache, k - 1 if grow else k)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return {k: median(v) for k, v in times.items()}
 
 
 def curves(target: Model, draft: Model) -> dict:
@@ -108,24 +105,24 @@ def report(setting: str, m: dict) -> None:
     print("T(k)/T(1): " + "  ".join(f"k={k}: {curve[k] / curve[1]:.2f}" for k in ks))
     print("at new KV lengths, T(k) ms: " + "  ".join(f"k={k}: {growing[k] * 1e3:.1f}" for k in ks))
     print(f"T(1) = {curve[1] * 1e3:.2f} ms, draft step = {m['draft_step_s'] * 1e3:.2f} ms")
-    base = statistics.median(r["decode_tps"] for r in m["runs"]["target alone"])
+    base = median(r["decode_tps"] for r in m["runs"]["target alone"])
     print(f"{'mode':16} {'tok/s':>8} {'speedup':>8} {'alpha':>6} {'tau':>5}  gamma used")
     for name, rs in m["runs"].items():
-        tps = statistics.median(r["decode_tps"] for r in rs)
-        alpha = statistics.median(r["acceptance"] for r in rs)
-        tau = statistics.median(r["tokens_per_pass"] for r in rs)
+        tps = median(r["decode_tps"] for r in rs)
+        alpha = median(r["acceptance"] for r in rs)
+        tau = median(r["tokens_per_pass"] for r in rs)
         used = rs[-1]["rounds_by_gamma"]
         print(f"{name:16} {tps:8.1f} {tps / base:8.2f} {alpha:6.2f} {tau:5.2f}  {used}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--small", action="store_true", help="tiny shapes, for a CPU smoke test")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--compiled", choices=["both", "off", "on"], default="both")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     shapes = SMALL if args.small else QWEN
     vocab = 151936
     dtype = mx.float32 if mx.default_device() == mx.cpu else mx.float16
@@ -169,7 +166,3 @@ def main() -> None:
         report(setting, m)
     if args.json:
         args.json.write_text(json.dumps(out, indent=1, default=str))
-
-
-if __name__ == "__main__":
-    main()

@@ -10,8 +10,8 @@ sample kept: decode of the target alone, prefill of 128 tokens, one pass over k 
 4, 8 tokens, and greedy speculative decoding on HumanEval tune prompts. See
 bench/README.md for what each figure means on each side.
 
-    python bench/llamacpp.py --label NAME          # ~13 min on 2 quiet Zen 5 cores (estimated)
-    python bench/llamacpp.py --quick --label NAME  # a smoke
+    python -m bench llamacpp --label NAME          # ~13 min on 2 quiet Zen 5 cores (estimated)
+    python -m bench llamacpp --quick --label NAME  # a smoke
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.timing import interleave, median, portable, timed, write_atomic
 from specmlx.errors import SpecmlxError
 from specmlx.paths import home
 
@@ -149,20 +150,23 @@ def build_llama_cpp(
         commit = vendored_commit((root / "CHANGELOG.md").read_text(), version)
         source = root / "vendor" / "llama.cpp"
         options = [*CMAKE_OPTIONS, *ISA_BUILDS[isa], f"-DLLAMA_BUILD_COMMIT={commit or 'unknown'}"]
-        started = time.perf_counter()
         log(f"building llama.cpp {commit} ({', '.join(TOOLS)}) with nice -j{jobs} in {work}")
         steps = [
             ["nice", "cmake", "-S", str(source), "-B", str(work / "build"), *options],
             ["nice", "cmake", "--build", str(work / "build"), "-j", str(jobs), "--target", *TOOLS],
         ]
-        for step in steps:
-            if subprocess.run(step, stdout=sys.stderr).returncode != 0:
-                raise SpecmlxError(f"the llama.cpp build failed at: {' '.join(step)}")
+
+        def build() -> None:
+            for step in steps:
+                if subprocess.run(step, stdout=sys.stderr).returncode != 0:
+                    raise SpecmlxError(f"the llama.cpp build failed at: {' '.join(step)}")
+
+        _, took = timed(build)
         info = {
             "llama_cpp_python": version,
             "llama_cpp_commit": commit,
             "cmake_options": options,
-            "build_s": round(time.perf_counter() - started, 1),
+            "build_s": round(took, 1),
             "jobs": jobs,
             "cpu_isa": isa_flags(flags),
             "isa": isa,
@@ -330,12 +334,6 @@ def run_tool(command: list[str], timeout: float = 900) -> tuple[str, str]:
 SECTIONS = ("decode", "prefill", "passes", "spec")
 PASS_KS = (1, 2, 4, 8)
 ENGINES = ("llama.cpp", "specmlx")
-
-
-def median(values: list[float]) -> float | None:
-    from statistics import median as middle
-
-    return middle(values) if values else None
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -590,12 +588,6 @@ def lscpu_model() -> str:
     return found.group(1).strip() if found else cpu_model()
 
 
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.rename(path)
-
-
 class Llama:
     """Command lines for llama.cpp's tools on the pair's GGUFs, at the same thread count."""
 
@@ -682,9 +674,7 @@ class Llama:
 def interleaved(repeat: int, a, b) -> None:
     """a() then b() in even repeats, b() then a() in odd ones: a slow stretch of a shared
     machine lands on both engines alike."""
-    for r in range(repeat):
-        for step in (a, b) if r % 2 == 0 else (b, a):
-            step(r)
+    interleave({"a": a, "b": b}, repeat)
 
 
 def measure_decode(result: dict, llama: Llama, target, repeat: int, tokens: int) -> None:
@@ -736,9 +726,8 @@ def measure_prefill(result: dict, llama: Llama, target, repeat: int) -> None:
 
     def specmlx_run(r: int) -> None:
         cache = make_cache(target.module)
-        start = time.perf_counter()
-        prefill(target, cache, ids)
-        tps = len(ids) / (time.perf_counter() - start)
+        _, took = timed(lambda: prefill(target, cache, ids))
+        tps = len(ids) / took
         out["specmlx"]["tps"].append(tps)
         log(f"prefill {r + 1}/{repeat}: specmlx {tps:.1f} tok/s")
 
@@ -883,7 +872,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["SPECMLX_THREADS"] = str(args.threads)
     if args.isa != "native":
         os.environ["SPECMLX_ISA"] = args.isa
-    command = " ".join(["python", "bench/llamacpp.py", *(sys.argv[1:] if argv is None else argv)])
+    command = " ".join(["python -m bench llamacpp", *(sys.argv[1:] if argv is None else argv)])
     bin_dir, build = build_llama_cpp(jobs=args.jobs, isa=args.isa)
     ggufs = pair_ggufs()
     int4 = pair_int4()
@@ -931,7 +920,7 @@ def main(argv: list[str] | None = None) -> None:
             "repack": llama.repack,
         },
         "models": {
-            role: {"gguf": str(ggufs[role]), "int4": str(int4[role])}
+            role: {"gguf": portable(ggufs[role]), "int4": portable(int4[role])}
             for role in ("target", "draft")
         },
     }
@@ -961,13 +950,3 @@ def main(argv: list[str] | None = None) -> None:
     write_atomic(md_path, markdown(result, result["summary"]))
     sys.stdout.write(markdown(result, result["summary"]))
     log(f"done in {result['wall_s']:.0f} s: {json_path} and {md_path}")
-
-
-if __name__ == "__main__":
-    try:
-        main()
-    except SpecmlxError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        sys.exit(130)

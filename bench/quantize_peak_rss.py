@@ -1,6 +1,6 @@
 """Peak memory of `specmlx quantize` on a synthetic ~1 GB float16 llama checkpoint.
 
-    python bench/quantize_peak_rss.py [--layers 8] [--keep DIR]
+    python -m bench quantize_peak_rss [--layers 8] [--keep DIR]
 
 Writes a random float16 model (hidden 2048, vocab 32000, ~0.98 GB with 8 layers),
 quantizes it to INT4 in a child process, and reports the child's peak RSS above its
@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from bench.timing import timed
+
+ROOT = Path(__file__).resolve().parent.parent  # the checkout: `bench` imports from here
 
 
 def rss_kib(field: str) -> int:
@@ -88,31 +92,28 @@ def write_synthetic(path: Path, layers: int) -> int:
     return sum(t.nbytes for group in planned for t in group)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--keep", type=Path, help="Build the model here and keep it.")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.child:
         child(*args.child)
         return
     with tempfile.TemporaryDirectory() as tmp:
         root = args.keep or Path(tmp)
         src, out = root / "synthetic-f16", root / "synthetic-int4"
-        t0 = time.perf_counter()
-        size = write_synthetic(src, args.layers)
-        print(f"wrote {size / 1e9:.2f} GB float16 in {time.perf_counter() - t0:.1f} s", flush=True)
+        size, took = timed(lambda: write_synthetic(src, args.layers))
+        print(f"wrote {size / 1e9:.2f} GB float16 in {took:.1f} s", flush=True)
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         result = subprocess.run(
-            [sys.executable, __file__, "--child", str(src), str(out)],
+            [sys.executable, "-m", "bench", "quantize_peak_rss", "--child", str(src), str(out)],
             check=True,
             capture_output=True,
             text=True,
+            env={**os.environ, "PYTHONPATH": path},
         )
         figures = json.loads(result.stdout.strip().splitlines()[-1])
         figures["source_gb"] = size / 1e9
         print(json.dumps(figures, indent=2))
-
-
-if __name__ == "__main__":
-    main()

@@ -7,8 +7,8 @@ counts those re-runs, and the γ policy prices them. One process; plain and prom
 runs interleaved (lookup's guesses are free, so the rejections are the only extra cost
 beyond the verify), a warm-up pair first, medians:
 
-    python bench/rollback_cost.py MODEL_DIR [--repeat 3] [--tokens 96]
-    python bench/rollback_cost.py --tiny mamba2      # a tiny random model of that arch
+    python -m bench rollback_cost MODEL_DIR [--repeat 3] [--tokens 96]
+    python -m bench rollback_cost --tiny mamba2      # a tiny random model of that arch
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import argparse
 import platform
 import tempfile
 from pathlib import Path
-from statistics import median
 
 import specmlx
+from bench.timing import median
 from specmlx.tiny import build_tiny_model
 
 COLORS = ["red", "blue", "green", "black", "white", "yellow", "brown", "grey"]
@@ -55,13 +55,13 @@ def measure(model: specmlx.Model, repeat: int, tokens: int) -> dict:
     return {"t1_s": t1, "rewind_s": rewind, "rewind_over_t1": rewind / t1, "rewinds": spec.rewinds}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", help="a model directory")
     ap.add_argument("--tiny", help="instead, a tiny random model of this mlx-lm architecture")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=96)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.tiny:
         path = build_tiny_model(Path(tempfile.mkdtemp()) / args.tiny, arch=args.tiny)
     elif args.model:
@@ -76,7 +76,3 @@ def main() -> None:
         f"{1000 * result['rewind_s']:.2f} ms = {result['rewind_over_t1']:.2f} T(1) "
         f"({result['rewinds']} re-runs in the last lookup run)"
     )
-
-
-if __name__ == "__main__":
-    main()

@@ -1,26 +1,26 @@
-"""How long auto's rounds take inside generate, by kind and by the round before.
+"""How long auto's rounds take inside generate on real prompts, beside the target alone.
 
-cost_curve.py times passes outside the engine; the policy prices rounds from the times the
-engine itself records (a round's verify_s, as Stats.add_round sees it). This script reads
-those: each round's
-verify time, grouped by what it was (plain, or a verify of a proposal from `source` with
-g drafts) and by whether the round before it was plain, medians in ms. A plain round's
-time is what is left of a pass already running (its Python work overlaps the pass), so
-the engine's own T(k)/T(1) sits above cost_curve.py's. The target alone runs interleaved
-with auto (fresh caches each call, as the bench does), so that auto's plain rounds and
-ms a token can be read against it: whether a reply auto keeps mostly plain costs more.
+bench/cost_curve.py times passes outside the engine; the policy prices rounds from the
+times the engine itself records (a round's verify_s, as Stats.add_round sees it). This
+script reads those on the tune split's real prompts: each round's verify time, grouped
+by what it was (plain, or a verify of a proposal from `source` with g drafts) and by
+whether the round before it was plain, medians in ms. A plain round's time is what is
+left of a pass already running (its Python work overlaps the pass), so the engine's own
+T(k)/T(1) sits above cost_curve's. The target alone runs interleaved with auto (fresh caches
+each call, as the bench does), so that auto's plain rounds and ms a token can be read
+against it: whether a reply auto keeps mostly plain costs more.
 
-    python bench/round_times.py [--target DIR --draft DIR --prompts 6 --repeat 2]
-    python bench/round_times.py --ids spec_bench/113,spec_bench/151 --repeat 4
+    python -m bench round_times [--target DIR --draft DIR --prompts 6 --repeat 2]
+    python -m bench round_times --ids spec_bench/113,spec_bench/151 --repeat 4
 """
 
 from __future__ import annotations
 
 import argparse
 from collections import defaultdict
-from statistics import median
 
 import specmlx
+from bench.timing import median, orders
 from specmlx.bench import encode, read_suite, select_prompts
 from specmlx.engine import Stats
 from specmlx.paths import home
@@ -28,7 +28,7 @@ from specmlx.paths import home
 MODES = {"alone": 0, "auto": "auto"}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     models = home() / "models"
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=str(models / "qwen2.5-coder-1.5b-instruct-int4"))
@@ -38,7 +38,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--ids", default="", help="these prompts (any split) instead of --categories")
     ap.add_argument("--max-tokens", type=int, default=64)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     target, draft = specmlx.load(args.target), specmlx.load(args.draft)
     rounds: list[tuple[str, float]] = []
     add_round = Stats.add_round
@@ -61,8 +61,8 @@ def main() -> None:
     ms_per_token: dict[tuple[str, str], list[float]] = defaultdict(list)
     for prompt in prompts:
         ids = encode(target, prompt.text, chat_template=True)
-        for r in range(args.repeat):
-            for mode in ("alone", "auto") if r % 2 == 0 else ("auto", "alone"):
+        for _, order in orders(("alone", "auto"), args.repeat):
+            for mode in order:
                 rounds.clear()
                 gen = specmlx.generate(
                     target, ids, draft, max_tokens=args.max_tokens, num_draft=MODES[mode]
@@ -81,7 +81,3 @@ def main() -> None:
     print("\n| mode | round | after | n | median ms |\n| --- | --- | --- | ---: | ---: |")
     for (mode, kind, after), ms in sorted(times.items()):
         print(f"| {mode} | {kind} | {after} | {len(ms)} | {median(ms):.1f} |")
-
-
-if __name__ == "__main__":
-    main()

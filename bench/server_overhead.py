@@ -13,9 +13,9 @@
 3. The server is stopped with SIGINT (it must exit, cleanly), and every raw figure and the
    machine's facts go to a JSON, the medians and ratios to a short markdown.
 
-    .venv/bin/python bench/server_overhead.py \\
-        --model ~/.cache/specmlx/models/qwen2.5-coder-1.5b-instruct-int4 \\
-        --draft ~/.cache/specmlx/models/qwen2.5-coder-0.5b-instruct-int4
+    python -m bench server_overhead \\
+        --model $SPECMLX_HOME/models/qwen2.5-coder-1.5b-instruct-int4 \\
+        --draft $SPECMLX_HOME/models/qwen2.5-coder-0.5b-instruct-int4
 
 A script, not a test: it needs the real model pair and a few minutes of a quiet machine.
 """
@@ -28,7 +28,6 @@ import os
 import platform
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -39,9 +38,10 @@ from pathlib import Path
 
 import httpx
 
-MODELS = Path.home() / ".cache/specmlx/models"
-TARGET = MODELS / "qwen2.5-coder-1.5b-instruct-int4"
-DRAFT = MODELS / "qwen2.5-coder-0.5b-instruct-int4"
+from bench.timing import median, portable, timed
+
+TARGET = "qwen2.5-coder-1.5b-instruct-int4"  # under $SPECMLX_HOME/models
+DRAFT = "qwen2.5-coder-0.5b-instruct-int4"
 RESULTS = Path(__file__).parent / "results"
 
 PROMPT = "Write a Python function that checks whether a string is a palindrome."
@@ -235,9 +235,9 @@ def run_generate(target: Path, draft: Path, prompt: str, gamma, max_tokens: int)
         "-m", str(target), "-d", str(draft),
         "-n", str(max_tokens), "-t", "0", "-g", str(gamma), "--json", prompt,
     ]  # fmt: skip
-    started = time.perf_counter()
-    out = subprocess.run(command, capture_output=True, text=True, check=True, timeout=300)
-    wall = time.perf_counter() - started
+    out, wall = timed(
+        lambda: subprocess.run(command, capture_output=True, text=True, check=True, timeout=300)
+    )
     result = json.loads(out.stdout)
     stats = result["stats"]
     return {
@@ -292,34 +292,36 @@ def overhead(server: Server, target: Path, draft: Path, runs: int) -> dict:
 
 
 def summarize(pairs: list[dict]) -> dict:
-    med = statistics.median
     s = [p["server"] for p in pairs]
     g = [p["generate"] for p in pairs]
-    server_tps, generate_tps = med(x["decode_tps"] for x in s), med(x["decode_tps"] for x in g)
+    server_tps, generate_tps = (
+        median(x["decode_tps"] for x in s),
+        median(x["decode_tps"] for x in g),
+    )
     return {
         "runs": len(pairs),
-        "server_ttft_s": med(x["ttft_s"] for x in s),
-        "generate_ttft_s": med(x["ttft_s"] for x in g),
+        "server_ttft_s": median(x["ttft_s"] for x in s),
+        "generate_ttft_s": median(x["ttft_s"] for x in g),
         "server_decode_tps": server_tps,
         "generate_decode_tps": generate_tps,
         # The engine's figure inside the server, defined as generate's (tokens / first
         # round -> last token): apart from the client-side one, it tells the HTTP path's
         # share from the engine's.
-        "server_engine_decode_tps": med(x["server"]["decode_tps"] for x in s),
-        "server_engine_ttft_s": med(x["server"]["ttft_s"] for x in s),
-        "server_prefill_tokens": med(x["server"]["prefill_tokens"] for x in s),
-        "generate_prefill_tokens": med(x["prefill_tokens"] for x in g),
-        "tps_ratio_median": med(p["tps_ratio"] for p in pairs),
-        "engine_tps_ratio_median": med(p["engine_tps_ratio"] for p in pairs),
+        "server_engine_decode_tps": median(x["server"]["decode_tps"] for x in s),
+        "server_engine_ttft_s": median(x["server"]["ttft_s"] for x in s),
+        "server_prefill_tokens": median(x["server"]["prefill_tokens"] for x in s),
+        "generate_prefill_tokens": median(x["prefill_tokens"] for x in g),
+        "tps_ratio_median": median(p["tps_ratio"] for p in pairs),
+        "engine_tps_ratio_median": median(p["engine_tps_ratio"] for p in pairs),
         # the same request, client-side over the engine's own: the HTTP path plus the
         # client-side rate's leaving out of the first round
-        "client_over_engine_tps_median": med(
+        "client_over_engine_tps_median": median(
             x["decode_tps"] / x["server"]["decode_tps"] for x in s
         ),
-        "server_tokens_per_pass": med(x["server"]["tokens_per_pass"] for x in s),
-        "http_ms_per_token_median": med(http_ms_per_token(x) for x in s),
-        "ttft_ratio_median": med(p["ttft_ratio"] for p in pairs),
-        "per_token_overhead_ms_median": med(p["per_token_overhead_ms"] for p in pairs),
+        "server_tokens_per_pass": median(x["server"]["tokens_per_pass"] for x in s),
+        "http_ms_per_token_median": median(http_ms_per_token(x) for x in s),
+        "ttft_ratio_median": median(p["ttft_ratio"] for p in pairs),
+        "per_token_overhead_ms_median": median(p["per_token_overhead_ms"] for p in pairs),
         "per_token_overhead_ms_of_medians": 1e3 * (1 / server_tps - 1 / generate_tps),
         "same_text": sum(p["same_text"] for p in pairs),
     }
@@ -406,7 +408,6 @@ def concurrency(server: Server, rounds: int) -> dict:
 
 
 def pass_summary(requests: list[dict]) -> dict:
-    med = statistics.median
     tokens = sum(r["tokens"] for r in requests)
     wall = max(r["done_at"] for r in requests) - min(r["sent_at"] for r in requests)
     return {
@@ -416,11 +417,11 @@ def pass_summary(requests: list[dict]) -> dict:
         "tokens_per_s": tokens / wall,
         # The engine's own rate per request: a pass whose engine ran slower met a busy
         # machine, not a slower server path.
-        "engine_decode_tps_median": med(r["server"]["decode_tps"] for r in requests),
+        "engine_decode_tps_median": median(r["server"]["decode_tps"] for r in requests),
         "prefill_tokens": sum(r["server"]["prefill_tokens"] for r in requests),
-        "ttft_s_median": med(r["ttft_s"] for r in requests),
+        "ttft_s_median": median(r["ttft_s"] for r in requests),
         "ttft_s_max": max(r["ttft_s"] for r in requests),
-        "latency_s_median": med(r["total_s"] for r in requests),
+        "latency_s_median": median(r["total_s"] for r in requests),
         "latency_s_max": max(r["total_s"] for r in requests),
     }
 
@@ -590,9 +591,9 @@ def reading(result: dict) -> list[str]:
     out.append(
         f"- Concurrency: {c['throughput_ratio']:.3f}× the sequential throughput. One decode "
         "at a time means concurrent clients share the same tokens/s, and queueing shows as "
-        f"latency instead: TTFT median {statistics.median(p['ttft_s_median'] for p in conc):.1f}"
+        f"latency instead: TTFT median {median(p['ttft_s_median'] for p in conc):.1f}"
         f" s (max {max(p['ttft_s_max'] for p in conc):.1f} s) with {CLIENTS} clients, "
-        f"{statistics.median(p['ttft_s_median'] for p in seq):.2f} s one by one."
+        f"{median(p['ttft_s_median'] for p in seq):.2f} s one by one."
     )
     health, stop = result["server"]["health_end"], result["stop"]
     out += [
@@ -619,10 +620,10 @@ def fmt_load(load) -> str:
     return " / ".join(f"{x:.2f}" for x in load)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", type=Path, default=TARGET)
-    parser.add_argument("--draft", type=Path, default=DRAFT)
+    parser.add_argument("--model", type=Path, help=f"default: $SPECMLX_HOME/models/{TARGET}")
+    parser.add_argument("--draft", type=Path, help=f"default: $SPECMLX_HOME/models/{DRAFT}")
     parser.add_argument("--runs", type=int, default=5, help="A/B pairs per γ")
     parser.add_argument("--out", type=Path, default=RESULTS / "server-overhead-qwen2.5-coder.json")
     parser.add_argument("--md", type=Path, default=RESULTS / "server-overhead.md")
@@ -632,7 +633,12 @@ def main() -> None:
     parser.add_argument(
         "--from-json", type=Path, help="write the markdown from a saved JSON; run nothing"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.model is None or args.draft is None:
+        from specmlx.paths import home  # not specmlx itself: this client needs no mlx
+
+        args.model = args.model or home() / "models" / TARGET
+        args.draft = args.draft or home() / "models" / DRAFT
     if args.from_json:
         args.md.write_text(markdown(json.loads(args.from_json.read_text())))
         return
@@ -652,12 +658,12 @@ def main() -> None:
 
     result = {
         "schema": 1,
-        "command": " ".join([os.path.relpath(sys.executable), *sys.argv]),
+        "command": " ".join(portable(a) if os.path.isabs(a) else a for a in sys.argv),
         "commit": git_commit(),
         "duration_s": time.perf_counter() - started,
         "machine": facts,
         "load_average_end": os.getloadavg(),
-        "models": {"target": str(args.model), "draft": str(args.draft)},
+        "models": {"target": portable(args.model), "draft": portable(args.draft)},
         "settings": {
             "prompt": PROMPT,
             "gammas": list(GAMMAS),
@@ -671,9 +677,9 @@ def main() -> None:
             "prompts": PROMPTS,
         },
         "server": {
-            "command": server.command,
+            "command": [portable(a) if os.path.isabs(a) else a for a in server.command],
             "ready_s": server.ready_s,
-            "model_id": server.model_id,
+            "model_id": portable(server.model_id),
             "log": server.log,  # its start-up lines: weights mode, INT4 kernel, BLAS
             "health_start": server.health,
             "health_end": health,
@@ -685,7 +691,3 @@ def main() -> None:
     args.out.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n")
     args.md.write_text(markdown(result))
     say(f"wrote {args.out} and {args.md} in {result['duration_s'] / 60:.1f} min")
-
-
-if __name__ == "__main__":
-    main()

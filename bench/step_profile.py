@@ -9,42 +9,28 @@ the step is norms, RoPE, residual adds, the cache writes and MLX's per-op dispat
 floor is the bytes the step must read (every weight but the embedding table, of which
 one row) over this machine's DRAM read rate, measured here with all threads reading.
 
-    python bench/step_profile.py --model ~/.cache/specmlx/models/qwen2.5-coder-1.5b-instruct-int4
-    python bench/step_profile.py --model DIR --context 512 --repeat 30 --json out.json
+    python -m bench step_profile --model $SPECMLX_HOME/models/qwen2.5-coder-1.5b-instruct-int4
+    python -m bench step_profile --model DIR --context 512 --repeat 30 --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 import threading
-import time
 from pathlib import Path
-from statistics import median
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from bench.timing import cpu_name, median, median_seconds, portable, seconds, write_atomic
+from bench.timing import timed as timed_call
 from specmlx.caches import make_cache, prefill, timed_pass
 from specmlx.cpu import native
 from specmlx.cpu.attention import scaled_dot_product_attention
 from specmlx.loading import load
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    except OSError:
-        return platform.processor()
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    flags = fields.get("Flags", "").split()
-    isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8") if f in flags]
-    name, cpus = fields.get("Model name", "?").strip(), fields.get("CPU(s)", "?").strip()
-    return f"{name} ({cpus} CPUs; {' '.join(isa)})"
 
 
 def dram_read_gbs(threads: int, gib: float = 1.0, repeat: int = 5) -> float:
@@ -55,26 +41,23 @@ def dram_read_gbs(threads: int, gib: float = 1.0, repeat: int = 5) -> float:
 
     def read() -> float:
         workers = [threading.Thread(target=np.sum, args=(p,)) for p in parts]
-        start = time.perf_counter()
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        return time.perf_counter() - start
+
+        def run() -> None:
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+
+        return seconds(run)
 
     read()
     return data.nbytes / min(read() for _ in range(repeat)) / 1e9
 
 
 def timed(build, repeat: int) -> float:
-    """Median seconds of building and evaluating the graph `build()` returns."""
-    mx.eval(build())  # the first run pays one-time work
-    samples = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        mx.eval(build())
-        samples.append(time.perf_counter() - start)
-    return median(samples)
+    """Median seconds of building and evaluating the graph `build()` returns, after one
+    untimed run (the first pays one-time work)."""
+    return median_seconds(lambda: mx.eval(build()), repeat)
 
 
 def parameter_bytes(m: nn.Module) -> int:
@@ -83,7 +66,7 @@ def parameter_bytes(m: nn.Module) -> int:
 
 def block_linears(module: nn.Module) -> dict[str, tuple[nn.Module, int]]:
     """The quantized linear layers inside the transformer blocks (not the head), by name,
-    with the bytes a call reads. A stacked q/k/v (native.patch_projections) is one op that
+    with the bytes a call reads. A stacked q/k/v (qkv.patch_projections) is one op that
     q's call runs for all three: it is timed once, as `q/k/v (stacked)`."""
     found = {}
     for name, m in module.named_modules():
@@ -139,13 +122,13 @@ def step_bytes(module: nn.Module) -> int:
     return total
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--context", type=int, default=256, help="tokens already in the cache")
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--json", type=Path)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     model = load(args.model)
     module = model.module
     cache = make_cache(module)
@@ -181,9 +164,8 @@ def main() -> None:
     def build_only() -> float:
         samples = []
         for _ in range(args.repeat):
-            start = time.perf_counter()
-            out = module(mx.array([token], mx.uint32), cache=cache)
-            samples.append(time.perf_counter() - start)
+            out, took = timed_call(lambda: module(mx.array([token], mx.uint32), cache=cache))
+            samples.append(took)
             mx.eval(out)
             for c in cache:
                 c.trim(1)
@@ -216,16 +198,16 @@ def main() -> None:
     floor = step_bytes(module) / gbs / 1e6
     kind_rows = {}
     for kind, which in kinds.items():
-        seconds = median(per_kind[kind])
+        kind_s = median(per_kind[kind])
         nbytes = sum(layer_bytes[i] for i in which)
         kind_rows[kind] = {
             "layers": len(which),
-            "ms": round(seconds * 1e3, 2),
-            "us_per_layer": round(seconds / len(which) * 1e6, 1),
-            "gb_s": round(nbytes / seconds / 1e9, 1),
+            "ms": round(kind_s * 1e3, 2),
+            "us_per_layer": round(kind_s / len(which) * 1e6, 1),
+            "gb_s": round(nbytes / kind_s / 1e9, 1),
         }
     result = {
-        "model": str(args.model),
+        "model": portable(args.model),
         "cpu": cpu_name(),
         "kernel": native.describe() if native.available() else native.reason(),
         "mlx": mx.__version__,
@@ -236,7 +218,7 @@ def main() -> None:
         "dram_read_gbs": round(gbs, 1),
         "floor_ms": round(floor, 2),
     }
-    print(f"{args.model}\n{result['cpu']}; kernel {result['kernel']}; mlx {mx.__version__}")
+    print(f"{result['model']}\n{result['cpu']}; kernel {result['kernel']}; mlx {mx.__version__}")
     print("| part | ms | share of the step |\n| --- | --- | --- |")
     for name, v in ms.items():
         print(f"| {name} | {v:.1f} | {v / ms['step']:.0%} |")
@@ -249,10 +231,4 @@ def main() -> None:
         cells = (kind, row["layers"], f"{row['ms']:.2f}", row["us_per_layer"], row["gb_s"])
         print("| " + " | ".join(map(str, cells)) + " |")
     if args.json:
-        tmp = args.json.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        tmp.replace(args.json)
-
-
-if __name__ == "__main__":
-    main()
+        write_atomic(args.json, json.dumps(result, indent=1))
