@@ -1,11 +1,12 @@
-"""The engine: speculative rounds, rollback, stop conditions, statistics.
+"""The engine: speculative rounds, their timing and their text.
 
-One round: the policy plans (which drafter, how many drafts); the drafter proposes g
-tokens with their q; the target runs ONE forward pass over [last emitted token, d_1..d_g]
-and yields g+1 distributions; accept/reject on the device; the caches commit the
-accepted prefix; the policy and the statistics observe the round. With no drafter it is
-plain autoregressive decoding of the target, the baseline everything is measured
-against, sampled through the very same code (so greedy outputs match exactly).
+One round: the policy plans (which drafter, how many drafts); the drafter proposes, as a
+chain or a tree, with the distributions q its drafts were drawn from; the Target runs ONE
+forward pass over them and accepts or rejects on the device (target.py), its cache keeping
+the accepted path; every drafter is told the Verdict; the statistics and the policy see a
+RoundSummary. With no drafter it is plain autoregressive decoding of the target, the
+baseline everything is measured against, sampled through the very same code (so greedy
+outputs match exactly).
 """
 
 from __future__ import annotations
@@ -16,25 +17,16 @@ from dataclasses import asdict, dataclass, field
 
 import mlx.core as mx
 
-from .caches import (
-    check_rollback,
-    checkpoint,
-    make_cache,
-    rewind,
-    set_state,
-    snapshot,
-    state_of,
-    sync_cache,
-    trims_exactly,
-)
-from .drafters import CostProbe, Drafter, LookupDrafter, ModelDrafter, model_drafter
+from . import drafters as registry
+from .cpu import build_id, describe
+from .drafters.protocol import Drafter, Proposal, Verdict, cost_id, interrupted
 from .errors import SpecmlxError
 from .loading import Model, backend, check_pair
-from .policy import AutoGamma, FixedGamma, Policy, Round, load_costs, save_costs
+from .policy import AutoGamma, FixedGamma, Policy, RoundSummary, load_costs, save_costs
 from .policy.choice import Scheduler
 from .sampling import SamplingParams
-from .settings import MAX_GAMMA, check_seed, check_settings, resolve_draft_mode
-from .verify import make_sampler, make_verifier
+from .settings import MAX_GAMMA, check_seed, check_settings
+from .target import Target
 
 
 @dataclass(frozen=True)
@@ -53,7 +45,8 @@ class Stats:
     drafted: int = 0
     accepted: int = 0
     gamma: int | str = 0  # as asked: an int, or "auto"
-    draft_mode: str = "model"
+    draft_mode: str = "model"  # as asked (drafters.modes()), or the name of a user's drafter
+    drafters: list[str] = field(default_factory=list)  # the drafters that ran in the call
     rounds_by_gamma: dict[int, int] = field(default_factory=dict)  # the γ actually used
     rounds_by_source: dict[str, int] = field(default_factory=dict)  # model/lookup/probe/plain
     cut_short: int = 0  # auto rounds the draft's own confidence ended before the γ chosen
@@ -67,6 +60,7 @@ class Stats:
     verify_time: float = 0.0
     rewind_time: float = 0.0  # rejected drafts undone by running kept tokens again
     rewinds: int = 0  # rounds that needed such a re-run (caches that cannot be trimmed)
+    trees_as_chains: int = 0  # tree proposals this target verified by their first path
     decode_time: float = 0.0  # first round to last token, seconds
     ttft: float = 0.0  # call to first emitted token, seconds
     finish_reason: str = ""  # "eos" | "length"
@@ -94,7 +88,7 @@ class Stats:
     def prefill_tps(self) -> float:
         return self.prefill_tokens / self.prefill_time if self.prefill_time else 0.0
 
-    def add_round(self, r: Round) -> None:
+    def add_round(self, r: RoundSummary) -> None:
         """Count a finished round (the engine's one observer of its own timing)."""
         self.target_passes += 1
         self.rounds_by_gamma[r.drafted] = self.rounds_by_gamma.get(r.drafted, 0) + 1
@@ -108,10 +102,11 @@ class Stats:
             self.draft_ratio = r.plan.draft_ratio
         if r.plan.alpha is not None:
             self.forecast_alpha = r.plan.alpha
-        if r.proposal is None:
+        if r.source == "plain":
             return
+        self.trees_as_chains += r.tree_as_chain
         self.draft_time += r.draft_s
-        self.prefill_time += r.proposal.prompt_s
+        self.prefill_time += r.prompt_s
         self.drafted += r.drafted
         self.accepted += r.accepted
         self.cut_short += r.drafted < r.asked
@@ -149,7 +144,8 @@ def encode_prompt(model: Model, prompt: str | list[int]) -> list[int]:
 
 
 class Session:
-    """Both models' caches, kept across generate() calls, and what the γ policy learnt.
+    """The Target's cache and every drafter's state, kept across generate() calls, and
+    what the γ policy learnt.
 
     Pass the whole conversation each time: only the tokens after the longest prefix
     already in the caches are prefilled, so a chat turn costs its new tokens only.
@@ -159,70 +155,67 @@ class Session:
     def __init__(self, target: Model, draft: Model | None = None, max_gamma: int = MAX_GAMMA):
         if draft is not None:
             check_pair(target, draft)
-        self.target = target
-        self.draft = draft
-        self.max_gamma = max_gamma
-        self._schedulers: dict[str, Scheduler] = {}
+        self.model, self.draft, self.max_gamma = target, draft, max_gamma
+        self.target = Target(target)
+        self._schedulers: dict[tuple[str, str], Scheduler] = {}
+        self._costs: dict[str, object] = {}
         self.reset()
 
     def reset(self) -> None:
-        """Forget the conversation (both caches); keep the models and what was measured."""
-        self.cache = make_cache(self.target.module)
-        self.cached: list[int] = []  # tokens whose entries are in the target cache
-        self.prompt_snapshot = None  # the cache at the last call's prompt, where trims can't
-        self.drafter = None if self.draft is None else model_drafter(self.draft, self.vocab_size)
+        """Forget the conversation (every cache); keep the models and what was measured."""
+        self.target.reset()
+        self.made: dict[str, Drafter | None] = {}  # registered drafters, made when first run
 
-    @property
-    def cost_key(self) -> str:
-        """Costs depend on both models, their dtype, the draft's head (a sub-vocabulary
-        makes its pass cheaper) and the backend (and its kernels, compiled or not, and
-        which build of them)."""
-        return f"{self.cost_kernels}{self.cost_build}"
+    def drafters(self, mode: str) -> list[Drafter]:
+        return registry.select(mode, self.draft, self.vocab_size, self.made)
 
-    @property
-    def cost_kernels(self) -> str:
+    def drafter_caches(self) -> list[list]:
+        """The caches its drafters keep (a draft model's), for what a Session holds."""
+        return [d.cache for d in self.made.values() if isinstance(getattr(d, "cache", None), list)]
+
+    def cost_key(self, drafter_id: str) -> str:
+        """Costs depend on the target, the drafter (a draft model's dtype and head: a
+        sub-vocabulary makes its pass cheaper) and the backend (and its kernels, compiled
+        or not, and which build of them)."""
+        return f"{self.cost_kernels(drafter_id)}{build_id() if backend() == 'cpu' else ''}"
+
+    def cost_kernels(self, drafter_id: str) -> str:
         """The cost key but for the kernels' build: what a rebuilt kernel's key starts with."""
-        from .cpu import describe
+        return f"{self.cost_kin(drafter_id)}{describe() if backend() == 'cpu' else 'mlx'}; build "
 
-        return f"{self.cost_kin}{describe() if backend() == 'cpu' else 'mlx'}; build "
-
-    @property
-    def cost_build(self) -> str:
-        from .cpu.native import build_id
-
-        return build_id() if backend() == "cpu" else ""
-
-    @property
-    def cost_kin(self) -> str:
+    def cost_kin(self, drafter_id: str) -> str:
         """What cost keys of the same models on other kernels start with: their costs are
         this pair's first guess (policy.load_costs)."""
+        m = self.model
+        return f"{m.path}:{m.dtype}:{m.weights or 'as stored'}|{drafter_id}|{backend()}|"
 
-        def model(m: Model | None) -> str:
-            return f"{m.path}:{m.dtype}:{m.weights or 'as stored'}" if m else "-"
-
-        head = self.drafter.head if self.drafter is not None else None
-        vocab = f"head {head.ids.size}" if head is not None else "full head"
-        return f"{model(self.target)}|{model(self.draft)}:{vocab}|{backend()}|"
-
-    def scheduler(self, source: str) -> Scheduler:
-        """The γ policy for a draft source; both share one measured target cost curve."""
-        if not self._schedulers:
-            costs = load_costs(self.cost_key, (self.cost_kernels, self.cost_kin))
-            self._schedulers = {
-                "model": Scheduler(costs, self.max_gamma),
-                "lookup": Scheduler(costs, self.max_gamma, free_drafts=True),
-            }
-        return self._schedulers[source]
+    def schedulers(self, drafters: list[Drafter]) -> dict[str, Scheduler]:
+        """A γ scheduler per drafter. A drafter that costs a pass has costs of its own;
+        free ones share the target's cost curve with the call's first costly drafter."""
+        costly = [d for d in drafters if not registry.is_free(d)]
+        shared = cost_id(costly[0]) if costly else "-:full head"
+        out = {}
+        for d in drafters:
+            which = shared if registry.is_free(d) else cost_id(d)
+            if which not in self._costs:
+                kins = (self.cost_kernels(which), self.cost_kin(which))
+                self._costs[which] = load_costs(self.cost_key(which), kins)
+            key = (d.name, which)
+            if key not in self._schedulers:
+                free = registry.is_free(d)
+                self._schedulers[key] = Scheduler(self._costs[which], self.max_gamma, free)
+            out[d.name] = self._schedulers[key]
+        return out
 
     def save_costs(self) -> None:
-        if self._schedulers:
-            # replacing: a rebuilt kernel's figures stand for the build before (which
-            # they started from, as a kin: load_costs), so that one is dropped
-            save_costs(self.cost_key, self._schedulers["model"].costs, replacing=self.cost_kernels)
+        # replacing: a rebuilt kernel's figures stand for the build before (which they
+        # started from, as a kin: load_costs), so that one is dropped
+        for which, costs in self._costs.items():
+            save_costs(self.cost_key(which), costs, replacing=self.cost_kernels(which))
 
     @property
     def vocab_size(self) -> int:
-        sizes = [self.target.vocab_size] + ([self.draft.vocab_size] if self.draft else [])
+        sizes = [self.model.vocab_size] + ([self.draft.vocab_size] if self.draft else [])
         return min(sizes)
 
 
@@ -266,11 +259,12 @@ def generate(
     top_k: int = 0,
     num_draft: int | str = "auto",
     draft_mode: str | None = None,
+    drafter: Drafter | None = None,
     seed: int = 0,
     session: Session | None = None,
     on_prefill: Callable[[int, int], None] | None = None,
 ) -> Generation:
-    """Generate from `target`, speculatively when a `draft` is given.
+    """Generate from `target`, speculatively when a `draft` (or a `drafter`) is given.
 
     The output distribution is exactly the target's (processed with temperature,
     top-k, top-p); at temperature 0 the tokens equal the target's own greedy tokens.
@@ -279,9 +273,11 @@ def generate(
 
     num_draft: γ, an int, or "auto" to pick it each round from measured costs and
     acceptance (never slower than plain decoding by more than the probes it takes).
-    draft_mode: "model" (the draft model), "lookup" (prompt n-gram lookup, no draft
-    model needed) or "auto" (lookup when the context has a match, else the model); None
-    (the default): "auto" with a draft model, else "model" (plain decoding).
+    draft_mode: a registered drafter's name (specmlx.drafters.modes(): "lookup", "model",
+    ...) or "auto" (every one that can run, free ones first); None (the default): "auto"
+    with a draft model, else "model" (plain decoding).
+    drafter: any object implementing the drafter protocol (drafters/protocol.py), run
+    alone in place of the registered ones.
     on_prefill: called with (tokens done, tokens in all) as the target takes the prompt,
     chunk by chunk (see caches.prefill); not called when the caches already hold it.
     """
@@ -289,53 +285,43 @@ def generate(
     check_seed(seed)
     if session is None:
         session = Session(target, draft)
-    elif session.target is not target or (draft is not None and session.draft is not draft):
+    elif session.model is not target or (draft is not None and session.draft is not draft):
         raise SpecmlxError("this session was made for other models; make a new Session")
-    draft_mode = resolve_draft_mode(draft_mode, session.drafter is not None)
+    mode = getattr(drafter, "name", None) or draft_mode
+    mode = mode or registry.default_mode(session.draft is not None)
     ids = encode_prompt(target, prompt)
-    policy, drafters = _policy(session, params, num_draft, draft_mode)
-    if drafters:
-        check_rollback(target, *(d.model for d in drafters if isinstance(d, ModelDrafter)))
-    else:
-        num_draft = 0
+    chosen = [drafter] if drafter is not None else session.drafters(mode) if num_draft else []
+    if chosen:
+        session.target.check_rollback()
+    session.target.set_hidden(any(registry.reads_hidden(d) for d in chosen))
+    policy = _policy(session, params, num_draft if chosen else 0, chosen)
 
     def steps(gen: Generation) -> Iterator[Step]:
-        gen.stats.gamma, gen.stats.draft_mode = num_draft, draft_mode
+        gen.stats.gamma, gen.stats.draft_mode = num_draft if chosen else 0, mode
+        gen.stats.drafters = [d.name for d in chosen]
         try:
-            yield from _decode(
-                session, ids, params, max_tokens, seed, policy, drafters, gen, on_prefill
-            )
+            yield from _decode(session, ids, params, max_tokens, seed, policy, gen, on_prefill)
         except GeneratorExit:  # closed between steps: the caches hold what was emitted
             raise
         except BaseException:
             # Stopped mid-pass (Ctrl-C, an error): a cache that cannot be trimmed back may
             # hold part of a round; the next call must prefill it anew.
-            if not trims_exactly(session.cache):
-                session.cached.clear()
-            drafter = session.drafter
-            if drafter is not None and not trims_exactly(drafter.cache):
-                drafter.cached.clear()
+            session.target.interrupted()
+            for d in chosen:
+                interrupted(d)
             raise
 
     return Generation(steps)
 
 
 def _policy(
-    session: Session, params: SamplingParams, gamma: int | str, draft_mode: str
-) -> tuple[Policy, list[Drafter]]:
-    """The γ policy for this call, and every drafter that must follow the text."""
-    vocab, sampled = session.vocab_size, not params.greedy
-    model = session.drafter if draft_mode != "lookup" else None
-    lookup = LookupDrafter(vocab, sampled) if draft_mode != "model" else None
-    if gamma == 0 or (model is None and lookup is None):
-        return FixedGamma(0, None, None), []
-    drafters: list[Drafter] = [d for d in (model, lookup) if d is not None]
+    session: Session, params: SamplingParams, gamma: int | str, drafters: list[Drafter]
+) -> Policy:
+    """The γ policy for this call over its drafters."""
     if gamma != "auto":
-        return FixedGamma(gamma, model, lookup), drafters
-    probe = CostProbe(vocab, sampled)
-    schedulers = {"model": session.scheduler("model"), "lookup": session.scheduler("lookup")}
-    policy = AutoGamma(schedulers, model, lookup, probe, vocab, sampled, session.save_costs)
-    return policy, [*drafters, probe]
+        return FixedGamma(gamma, drafters)
+    schedulers = session.schedulers(drafters)
+    return AutoGamma(drafters, schedulers, not params.greedy, session.save_costs)
 
 
 def _decode(
@@ -345,97 +331,50 @@ def _decode(
     max_tokens: int,
     seed: int,
     policy: Policy,
-    drafters: list[Drafter],
     gen: Generation,
     on_prefill: Callable[[int, int], None] | None = None,
 ) -> Iterator[Step]:
-    target, cache, cached, stats = session.target, session.cache, session.cached, gen.stats
-    stats.prompt_tokens = len(ids)
-    start = time.perf_counter()
-    stats.prefill_tokens = sync_cache(
-        target, cache, cached, ids[:-1], on_prefill, session.prompt_snapshot
-    )
-    session.prompt_snapshot = snapshot(cache, cached)
+    """plan → propose → verify → commit → observe, then stream the round's text."""
+    target, stats, text = session.target, gen.stats, _Text(session.model.tokenizer)
+    drafters = [*policy.drafters, *policy.helpers]
+    stats.prompt_tokens, start = len(ids), time.perf_counter()
+    stats.prefill_tokens = target.start(ids[:-1], params, session.vocab_size, on_prefill)
     for drafter in drafters:
         drafter.start(ids)
     stats.prefill_time = time.perf_counter() - start
-    verify = make_verifier(params, session.vocab_size)
-    draw = make_sampler(params, session.vocab_size)
-    text = _Text(target.tokenizer)
-    key, last = mx.random.key(seed), ids[-1]
-    decode_start, prompt_s = time.perf_counter(), 0.0
-    # While Python handles a plain round's token, the device computes the next plain pass
-    # (as mlx-lm's generate_step does: bench/plain_queue.py). A plain round builds that
-    # pass before it reads its own token, but runs it only once the next round is planned
-    # plain: where the next round drafts, the pass is taken back out of the cache unrun
-    # (a trim would leave its writes in the arrays, computed when next read: a whole
-    # target pass lost at every switch to drafting). Only caches that trim exactly
-    # pipeline: the others checkpoint and rewind around every pass.
-    pipeline = trims_exactly(cache)
-    queued = None  # (logits, probs, token) of a running plain pass over `last`
+    key, last, produced, prompt_s = mx.random.key(seed), ids[-1], 0, 0.0
+    decode_start = time.perf_counter()
     plan = policy.plan(max_tokens)
-    # Never draft past max_tokens: a fully accepted round emits g + 1 tokens.
-    asked = min(plan.gamma, max_tokens - 1)
-
+    asked = min(plan.gamma, max_tokens - 1)  # a fully accepted round emits γ + 1 tokens
     while True:
         key, round_key = mx.random.split(key)
         _, next_key = mx.random.split(key)  # the round_key of the next round
-        t0 = time.perf_counter()
-        proposal = ahead = None
+        t0, proposal = time.perf_counter(), None
         if asked > 0:
             draft_key, round_key = mx.random.split(round_key)
-            proposal = plan.drafter.propose(asked, draft_key, draw, plan.go_on)
+            proposal = plan.drafter.propose(asked, draft_key, target.draw, plan.go_on)
             mx.eval(proposal.tokens, proposal.q)
             prompt_s += proposal.prompt_s
-        t1 = time.perf_counter()
-        saved = checkpoint(cache) if proposal is not None else None
-        if proposal is not None:
-            x = mx.concatenate([mx.array([last], mx.uint32), proposal.tokens])
-            logits = target.module(x[None], cache=cache)[0]
-            n, token, probs = verify(logits, proposal.q, proposal.tokens, round_key)
-            mx.eval(n, token)  # the one host sync of the round
+            t1 = time.perf_counter()
+            verdict = target.verify(last, proposal, round_key)
         else:
-            if queued is None:
-                queued = _plain_pass(target, cache, draw, mx.array([last], mx.uint32), round_key)
-            (logits, probs, token), queued, n = queued, None, 0
-            if pipeline and stats.tokens + 1 < max_tokens:
-                before = state_of(cache)
-                ahead = _plain_pass(target, cache, draw, token, next_key, run=False)
-            mx.eval(token)  # the sync: only this pass, not the one built after it
-        n, token = int(n), token.item()
+            t1 = time.perf_counter()
+            verdict = target.step(last, round_key, next_key, room=produced + 1 < max_tokens)
         t2 = time.perf_counter()
-        drafts = proposal.tokens.tolist() if proposal is not None else []
-        rerun = rewind(target, cache, saved, [last, *drafts[:n]], len(drafts) - n)
-        cached += [last, *drafts[:n]]
-        emitted = [*drafts[:n], token]
-        for drafter in drafters:
-            rerun += drafter.commit(proposal if drafter is plan.drafter else None, n, emitted)
-        t3 = time.perf_counter()
-        source = plan.drafter.name if proposal is not None else "plain"
-        draft_s = t1 - t0 - (proposal.prompt_s if proposal is not None else 0.0)
-        rewind_s = t3 - t2 if rerun else 0.0
-        done = Round(
-            plan, source, asked, len(drafts), n, draft_s, t2 - t1, rewind_s, proposal, logits, probs
-        )
-        stats.add_round(done)
-        policy.observe(done)
-        last = token
-        left = max_tokens - stats.tokens - len(emitted)
-        more = left > 0 and not any(t in text.eos for t in emitted)
+        rerun = sum(d.commit(proposal if d is plan.drafter else None, verdict) for d in drafters)
+        rewind_s = verdict.rewind_s + (time.perf_counter() - t2 if rerun else 0.0)
+        summary = _summary(plan, asked, proposal, verdict, t1 - t0, rewind_s)
+        stats.add_round(summary)
+        policy.observe(summary)
+        last, produced = verdict.token, produced + len(verdict.emitted)
+        left = max_tokens - produced
+        more = left > 0 and not any(t in text.eos for t in verdict.emitted)
         if more:
             plan = policy.plan(left)
             asked = min(plan.gamma, left - 1)
-        if ahead is not None:
-            if more and asked == 0:
-                del before  # its views would make the pass copy each layer's arrays
-                mx.async_eval(ahead[2])
-                queued = ahead
-            else:
-                set_state(cache, before)
-        elif more and asked == 0 and pipeline:
-            queued = _plain_pass(target, cache, draw, mx.array([last], mx.uint32), next_key)
+        target.next_round(more and asked == 0, last, next_key)
         policy.while_running()  # what the policy can learn with the next pass running
-        for step in text.steps(emitted, n, max_tokens - stats.tokens):
+        for step in text.steps(verdict.emitted, verdict.accepted, max_tokens - stats.tokens):
             stats.tokens += 1
             if stats.tokens == 1:
                 stats.ttft = time.perf_counter() - start
@@ -450,16 +389,28 @@ def _decode(
     gen.text += text.flush()
 
 
-def _plain_pass(
-    target: Model, cache: list, draw, x: mx.array, key: mx.array, run: bool = True
-) -> tuple:
-    """One plain step over token `x`: (logits, probs, token), lazy, and set running unless
-    `run` is False."""
-    logits = target.module(x.reshape(1, 1), cache=cache)[0, -1:]
-    probs, token = draw(logits, key)
-    if run:
-        mx.async_eval(token)
-    return logits, probs, token
+def _summary(
+    plan, asked: int, proposal: Proposal | None, verdict: Verdict, draft_s: float, rewind_s: float
+) -> RoundSummary:
+    """The round in numbers, for the statistics and the policy."""
+    common = dict(verify_s=verdict.verify_s, rewind_s=rewind_s, target_tops=verdict.tops)
+    if proposal is None:
+        return RoundSummary(plan, "plain", asked, 0, 0, 0.0, **common)
+    return RoundSummary(
+        plan,
+        plan.drafter.name,
+        asked,
+        proposal.tokens.shape[0],
+        verdict.accepted,
+        draft_s - proposal.prompt_s,
+        prompt_s=proposal.prompt_s,
+        fed=proposal.fed,
+        first=proposal.first,
+        timed_draft_s=proposal.timed_draft_s,
+        tree_as_chain=verdict.tree_as_chain,
+        draft_tops=proposal.tops,
+        **common,
+    )
 
 
 class _Text:

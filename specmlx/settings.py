@@ -9,7 +9,6 @@ from .errors import SpecmlxError
 if TYPE_CHECKING:  # imported where used: the CLI reads MAX_GAMMA before mlx is imported
     from .sampling import SamplingParams
 
-DRAFT_MODES = ("model", "lookup", "auto")
 # The longest round of drafts: auto's policy plans up to it (a Session's max_gamma), and a
 # fixed γ is held to the same bound, so no setting asks for drafts auto would never make.
 MAX_GAMMA = 8
@@ -47,26 +46,10 @@ def check_seed(seed: int) -> int:
     return seed
 
 
-def default_draft_mode(has_draft_model: bool) -> str:
-    """Where drafts come from when nobody said: with a draft model, both it and prompt
-    lookup (a matched n-gram's drafts cost no draft pass; bench/results/draft-modes-*:
-    1.27x median / 1.46x total at T = 0 over 7 categories against 1.29x / 1.28x for the
-    model alone, and never below it on code or summaries); without one, plain decoding,
-    so that --no-draft is the target alone."""
-    return "auto" if has_draft_model else "model"
-
-
-def resolve_draft_mode(draft_mode: str | None, has_draft_model: bool) -> str:
-    """draft_mode as given, or the default for what is loaded (None: nobody said)."""
-    return default_draft_mode(has_draft_model) if draft_mode is None else draft_mode
-
-
 def check_draft_mode(draft_mode: str | None) -> str | None:
-    if draft_mode is not None and draft_mode not in DRAFT_MODES:
-        raise SpecmlxError(
-            f"draft mode must be one of {', '.join(DRAFT_MODES)}, got {draft_mode!r}"
-        )
-    return draft_mode
+    from .drafters import check_mode
+
+    return check_mode(draft_mode)
 
 
 def check_settings(

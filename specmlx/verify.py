@@ -145,3 +145,39 @@ def top_probabilities(
 @lru_cache(maxsize=4)
 def _ones(size: int) -> np.ndarray:
     return np.ones(size, np.float32)
+
+
+def accept_greedy_tree(
+    logits: mx.array,
+    draft_tokens: mx.array,
+    parent_rows: mx.array,
+    ancestors: mx.array,
+    depths: mx.array,
+    vocab_size: int | None = None,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """accept_greedy over a tree of drafts: (accepted depth n, the token after them, the
+    pass row of the deepest accepted node, 0 for none).
+
+    logits (g+1, V'): the pass over [root, node 0..g-1]; parent_rows (g,): each node's
+    parent's pass row; ancestors (g, g) float, 1 where node k is node j or above it;
+    depths (g,). A node passes where its token is the target's argmax at its parent and
+    every node above it passed; the deepest passing node wins (the first of equals: the
+    drafter's preferred branch). A chain gives accept_greedy's result.
+    """
+    best = argmax(logits, vocab_size)
+    wrong = (draft_tokens != best[parent_rows]).astype(mx.float32)
+    passed = (ancestors @ wrong) == 0
+    score = mx.where(passed, depths, 0)
+    n = mx.max(score)
+    row = mx.where(n > 0, mx.argmax(score) + 1, 0)
+    return n, best[row], row
+
+
+@lru_cache(maxsize=8)
+def make_tree_verifier(vocab_size: int):
+    """Compiled accept_greedy_tree over the first `vocab_size` logits of each row."""
+    return mx.compile(
+        lambda logits, drafts, parent_rows, ancestors, depths: accept_greedy_tree(
+            logits, drafts, parent_rows, ancestors, depths, vocab_size
+        )
+    )

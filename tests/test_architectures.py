@@ -21,7 +21,7 @@ from stats_util import ALPHA, chi_square_pvalue, exact_joint
 import specmlx
 from specmlx.caches import layers
 from specmlx.convert.quantize import SUPPORTED_ARCHS, quantize
-from specmlx.cpu import native
+from specmlx.cpu import native, quantized
 from specmlx.tiny import ARCHITECTURES
 
 # How each architecture's caches are rolled back: by trimming (every layer keeps every
@@ -131,7 +131,7 @@ def test_greedy_speculation_on_int4_and_int8_activations_equals_the_target_alone
         models.append(specmlx.load(tmp_path / name))
         models[-1].tokenizer.eos_token_ids = set()
     target, draft = models
-    assert native.runs_int4(target.module)
+    assert quantized.runs_int4(target.module)
     # Where a multi-token pass is not bit-exact, int8 x would decode near-ties apart.
     # Sliding windows are exact on the native attention op (specmlx.cpu.attention).
     exact = ROLLBACK[arch] == "trim" or arch in {"gemma3_text", "gpt_oss"}
@@ -186,7 +186,7 @@ def test_the_same_prompt_again_restores_its_caches_instead_of_prefilling(arch, b
         gen = specmlx.generate(target, ids, draft, max_tokens=N, num_draft=3, session=session)
         assert gen.run().tokens == reference(target, ids)
     assert gen.stats.prefill_tokens == 0
-    assert session.drafter.prompt_snapshot.tokens == ids[:-1]
+    assert session.made["model"].prompt_snapshot.tokens == ids[:-1]
 
 
 @pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_next"])

@@ -68,7 +68,7 @@ def test_greedy_speculation_with_padded_caches_equals_the_target(models, monkeyp
     baseline = specmlx.generate(target, "def f(x):", max_tokens=40, num_draft=0).run().tokens
     monkeypatch.setenv(caches.ENV, "1")
     session = specmlx.Session(target, draft)
-    assert isinstance(session.cache[0], PaddedKVCache)
+    assert isinstance(session.target.cache[0], PaddedKVCache)
     gen = specmlx.generate(target, "def f(x):", draft, max_tokens=40, num_draft=3, session=session)
     assert gen.run().tokens == baseline
 

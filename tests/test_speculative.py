@@ -108,8 +108,8 @@ def test_caches_after_rejections_equal_a_fresh_prefill(no_eos):
     gen.run()
     assert gen.stats.accepted < gen.stats.drafted  # rounds with rejections happened
     for model, cache, held in [
-        (target, session.cache, session.cached),
-        (draft, session.drafter.cache, session.drafter.cached),
+        (target, session.target.cache, session.target.cached),
+        (draft, session.made["model"].cache, session.made["model"].cached),
     ]:
         fresh = make_prompt_cache(model.module)
         prefill(model, fresh, held)
@@ -123,10 +123,11 @@ def test_continuing_after_rollback_gives_the_logits_of_a_fresh_run(no_eos):
     target, draft = no_eos["target"], no_eos["unrelated"]
     session = specmlx.Session(target, draft)
     specmlx.generate(target, PROMPT, draft=draft, max_tokens=30, session=session).run()
-    probe = mx.array([[session.cached[-1]]], mx.uint32)
-    continued = target.module(probe, cache=session.cache)[0, -1]
+    cached = session.target.cached
+    probe = mx.array([[cached[-1]]], mx.uint32)
+    continued = target.module(probe, cache=session.target.cache)[0, -1]
     # the probe repeats the last cached token: compare with a fresh run over the same ids
-    ids = session.cached + [session.cached[-1]]
+    ids = cached + [cached[-1]]
     fresh = target.module(mx.array([ids], mx.uint32))[0, -1]
     np.testing.assert_allclose(np.array(continued), np.array(fresh), rtol=1e-4, atol=1e-4)
 
@@ -258,13 +259,20 @@ def test_greedy_with_auto_gamma_equals_greedy_target(no_eos):
     assert sum(gen.stats.rounds_by_gamma.values()) == gen.stats.target_passes
 
 
-def test_lookup_proposes_what_followed_the_last_match():
-    from specmlx.drafters import LookupDrafter
+def told(emitted: list[int], accepted: int = 0):
+    """The Verdict of a round that emitted `emitted`, its first `accepted` drafts."""
+    from specmlx.drafters.protocol import Verdict
 
-    drafter = LookupDrafter(16, sampled=False)
+    return Verdict(accepted, emitted[-1], drafts=emitted[:-1])
+
+
+def test_lookup_proposes_what_followed_the_last_match():
+    from specmlx.drafters.lookup import LookupDrafter
+
+    drafter = LookupDrafter()
     drafter.start([1, 2, 3, 4, 5, 9, 2, 3])
     assert drafter.find(2) == [4, 5]  # the 2-gram [2, 3] was followed by 4, 5
-    drafter.commit(None, 0, [4])  # the text moved on: [3, 4] was followed by 5
+    drafter.commit(None, told([4]))  # the text moved on: [3, 4] was followed by 5
     assert drafter.find(4) == [5, 9, 2, 3]
     drafter.start([1, 2, 3])
     assert drafter.find(4) == []
@@ -288,43 +296,42 @@ def test_lookups_index_finds_what_a_scan_of_the_whole_text_finds():
     # The n-gram index is kept as the text grows; a scan reads the text afresh.
     import random
 
-    from specmlx.drafters import LookupDrafter
+    from specmlx.drafters.lookup import LookupDrafter
 
     rng = random.Random(0)
     for _ in range(200):
-        drafter = LookupDrafter(16, sampled=False)
+        drafter = LookupDrafter()
         text = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
         drafter.start(text)
         for _ in range(5):
             g = rng.randrange(1, 6)
             assert drafter.find(g) == scanned(text, g)
             emitted = [rng.randrange(4) for _ in range(rng.randrange(1, 4))]
-            drafter.commit(None, 0, emitted)
+            drafter.commit(None, told(emitted))
             text += emitted
 
 
 def test_a_sessions_first_draft_proposal_is_not_taken_as_the_drafts_cost(no_eos):
     # In a fresh process it pays the draft model's one-time work (4x a pass on this CPU):
     # taken as the draft's cost, auto priced drafting out and never drafted again.
-    from specmlx.drafters import CostProbe, LookupDrafter
-    from specmlx.policy import AutoGamma
+    from specmlx.policy import AutoGamma, Plan, RoundSummary
 
     session = specmlx.Session(no_eos["target"], no_eos["perturbed"])
-    drafter = session.drafter
-    schedulers = {s: session.scheduler(s) for s in ("model", "lookup")}
-    vocab = session.vocab_size
-    policy = AutoGamma(
-        schedulers, drafter, LookupDrafter(vocab, False), CostProbe(vocab, False), vocab, False
-    )
-    policy.scheduler = schedulers["model"]
+    drafters = session.drafters("model")
+    drafter = drafters[0]
+    policy = AutoGamma(drafters, session.schedulers(drafters), False)
+    policy.scheduler = session.schedulers(drafters)["model"]
     drafter.start([1, 2, 3, 4])
     greedy = lambda logits, key: (None, logits.argmax(-1))  # noqa: E731
     for expected in (None, 3):
         proposal = drafter.propose(3, mx.random.key(0), greedy)
         assert proposal.fed == 0  # no backlog: a clean figure but for being the first
-        assert policy._passes(proposal, 3) == expected
+        summary = RoundSummary(
+            Plan(drafter, 3), "model", 3, 3, 1, 0.0, 0.0, fed=proposal.fed, first=proposal.first
+        )
+        assert policy._passes(summary, 3) == expected
         drafts = proposal.tokens.tolist()
-        drafter.commit(proposal, 1, drafts[:2])
+        drafter.commit(proposal, told(drafts[:2], accepted=1))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -358,13 +365,13 @@ def test_auto_calibrates_on_the_targets_confidence_at_each_judged_draft(
 
 def test_timing_a_draft_pass_leaves_its_cache_as_it_was(no_eos):
     session = specmlx.Session(no_eos["target"], no_eos["perturbed"])
-    drafter = session.drafter
+    drafter = session.drafters("model")[0]
     drafter.start([1, 2, 3, 4, 5])
     drafter._feed(4)
     offset = drafter.cache[0].offset
     drafter.time_pass()
     assert drafter.cache[0].offset == offset
-    fresh = specmlx.Session(no_eos["target"], no_eos["perturbed"]).drafter
+    fresh = specmlx.Session(no_eos["target"], no_eos["perturbed"]).drafters("model")[0]
     fresh.start([1, 2, 3, 4, 5])
     fresh._feed(4)
     x = mx.array([[5]], mx.uint32)
@@ -375,15 +382,15 @@ def test_timing_a_draft_pass_leaves_its_cache_as_it_was(no_eos):
 def test_the_drafts_backlog_counts_the_prompt_until_it_has_taken_it(no_eos):
     # The policy prices what the draft must take before it drafts: a call's prompt too,
     # which a draft that never drafts never pays for.
-    drafter = specmlx.Session(no_eos["target"], no_eos["perturbed"]).drafter
+    drafter = specmlx.Session(no_eos["target"], no_eos["perturbed"]).drafters("model")[0]
     drafter.start([1, 2, 3, 4, 5])
     assert drafter.behind == 4
     greedy = lambda logits, key: (None, logits.argmax(-1))  # noqa: E731
     proposal = drafter.propose(2, mx.random.key(0), greedy)
-    drafter.commit(proposal, 0, [7])  # its first draft rejected: the target's token
+    drafter.commit(proposal, told([7]))  # its first draft rejected: the target's token
     assert drafter.behind == 0
-    drafter.commit(None, 0, [8])  # two plain rounds it sat out
-    drafter.commit(None, 0, [9])
+    drafter.commit(None, told([8]))  # two plain rounds it sat out
+    drafter.commit(None, told([9]))
     assert drafter.behind == 2
 
 
@@ -413,7 +420,7 @@ def hopeless_draft(no_eos, monkeypatch, tmp_path):
     pass costs fifty target steps: drafting is hopeless. Returns (session, its costs)."""
     monkeypatch.setenv("SPECMLX_HOME", str(tmp_path))
     session = specmlx.Session(no_eos["target"], no_eos["perturbed"])
-    costs = session.scheduler("model").costs
+    costs = session.schedulers(session.drafters("model"))["model"].costs
     costs.plain = [0.01] * 8
     for k in range(2, 10):
         costs.target[k] = [1.0 + 0.1 * (k - 1)] * 3
@@ -514,12 +521,12 @@ def test_target_alone_pipelined_gives_the_round_loops_tokens(no_eos, monkeypatch
     # Plain rounds queue each next pass before reading their token (as mlx-lm does); with
     # the same seed they must emit what unpipelined rounds emit, and leave the Session's
     # cache as a continuation expects.
-    from specmlx import engine
+    from specmlx.target import Target
 
     target = no_eos["target"]
     run = dict(max_tokens=30, num_draft=0, temperature=temperature, seed=3)
     pipelined = specmlx.generate(target, PROMPT, **run).run().tokens
-    monkeypatch.setattr(engine, "trims_exactly", lambda cache: False)  # the round loop
+    monkeypatch.setattr(Target, "pipelines", property(lambda self: False))  # the round loop
     assert specmlx.generate(target, PROMPT, **run).run().tokens == pipelined
     monkeypatch.undo()
     session = specmlx.Session(target)

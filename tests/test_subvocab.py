@@ -18,13 +18,16 @@ import pytest
 from stats_util import ALPHA, chi_square_pvalue, exact_joint
 
 import specmlx
-from specmlx.cpu import native
-from specmlx.drafters import ModelDrafter, model_drafter, subvocab
+from specmlx.cpu.quantized import patch_model
+from specmlx.drafters import subvocab
+from specmlx.drafters.model import ModelDrafter
+from specmlx.drafters.protocol import cost_id
 from specmlx.drafters.subvocab import (
     ENV,
     SubHead,
     always_in,
     draft_size,
+    model_drafter,
     sub_head,
     sub_vocab,
     token_order,
@@ -54,13 +57,18 @@ def pair(tmp_path_factory):
 
 
 def cut(draft: specmlx.Model, size: int = N) -> ModelDrafter:
-    return ModelDrafter(draft, sub_head(draft, sub_vocab(draft, size), draft.vocab_size))
+    return ModelDrafter(
+        draft, draft.vocab_size, sub_head(draft, sub_vocab(draft, size), draft.vocab_size)
+    )
 
 
 def session(target, draft, monkeypatch, size: int = N) -> specmlx.Session:
     monkeypatch.setenv(ENV, str(size))
     s = specmlx.Session(target, draft)
-    assert isinstance(s.drafter.head, SubHead) and s.drafter.head.ids.size == size
+    assert (
+        isinstance(s.drafters("model")[0].head, SubHead)
+        and s.drafters("model")[0].head.ids.size == size
+    )
     return s
 
 
@@ -71,7 +79,9 @@ def test_greedy_speculation_with_a_sub_vocab_draft_equals_the_target(pair, monke
     s = session(target, draft, monkeypatch)
     gen = specmlx.generate(target, PROMPT, draft, max_tokens=48, num_draft=gamma, session=s).run()
     assert gen.tokens == alone
-    assert any(t not in set(s.drafter.head.ids.tolist()) for t in alone)  # some lie outside
+    assert any(
+        t not in set(s.drafters("model")[0].head.ids.tolist()) for t in alone
+    )  # some lie outside
 
 
 def test_greedy_speculation_with_a_tied_sub_vocab_head_equals_the_target(pair, monkeypatch):
@@ -149,7 +159,7 @@ def test_a_draft_cut_to_the_special_tokens_proposes_its_eos_where_it_ranks_first
 def quantized(model: specmlx.Model) -> specmlx.Model:
     """The model with every linear layer and the head at 8 bits on the native kernel."""
     nn.quantize(model.module, group_size=64, bits=8)
-    native.patch_model(model.module)
+    patch_model(model.module)
     return model
 
 
@@ -164,7 +174,7 @@ def test_a_sub_vocab_covering_everything_equals_the_full_head_bitwise(
         draft = specmlx.load(model_dirs["perturbed"])
         if kind == "int8":
             draft = quantized(draft)
-    full, whole = ModelDrafter(draft), cut(draft, draft.vocab_size)
+    full, whole = ModelDrafter(draft, draft.vocab_size), cut(draft, draft.vocab_size)
     assert whole.head.ids.tolist() == list(range(draft.vocab_size))
     draw = make_sampler(SamplingParams(temperature=temperature), draft.vocab_size)
     proposals = []
@@ -228,9 +238,13 @@ def test_costs_measured_with_one_head_are_not_read_for_another(pair, monkeypatch
     # A cut head makes the draft's pass cheaper: its cost figures must not blend with the
     # full head's in the cost cache.
     target, draft = pair["target"], pair["draft"]
-    cut_key = session(target, draft, monkeypatch).cost_key
+
+    def key(s):
+        return s.cost_key(cost_id(s.drafters("model")[0]))
+
+    cut_key = key(session(target, draft, monkeypatch))
     monkeypatch.setenv(ENV, "full")
-    full_key = specmlx.Session(target, draft).cost_key
+    full_key = key(specmlx.Session(target, draft))
     assert cut_key != full_key and f"head {N}" in cut_key
 
 
@@ -239,5 +253,8 @@ def test_sessions_of_one_draft_share_its_cut_head(pair, monkeypatch):
     # copy the head's rows again.
     target, draft = pair["target"], pair["draft"]
     first, again = session(target, draft, monkeypatch), session(target, draft, monkeypatch)
-    assert again.drafter.head is first.drafter.head
-    assert session(target, draft, monkeypatch, N + 1).drafter.head is not first.drafter.head
+    assert again.drafters("model")[0].head is first.drafters("model")[0].head
+    assert (
+        session(target, draft, monkeypatch, N + 1).drafters("model")[0].head
+        is not first.drafters("model")[0].head
+    )

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ..drafters import modes as draft_modes
 from ..errors import SpecmlxError
-from ..settings import DRAFT_MODES
 from .suite import Prompt
 
 
@@ -48,9 +48,9 @@ CONTROL = Mode("specmlx", 0, control=True)
 def parse_draft_modes(text: str) -> list[str]:
     """'model,lookup' -> ['model', 'lookup'], each one of specmlx's draft modes."""
     modes = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
-    if not modes or any(m not in DRAFT_MODES for m in modes):
+    if not modes or any(m not in draft_modes() for m in modes):
         raise SpecmlxError(
-            f"--draft-mode takes {', '.join(DRAFT_MODES)} (comma-separated), got {text!r}"
+            f"--draft-mode takes {', '.join(draft_modes())} (comma-separated), got {text!r}"
         )
     return modes
 

@@ -45,12 +45,13 @@ def run_specmlx(
     seed: int,
 ) -> RunRecord:
     """specmlx.generate at the mode's γ and draft mode (γ = 0: the target alone)."""
+    from ..drafters import uses_model
     from ..engine import generate
 
     mx.reset_peak_memory()
     start = time.perf_counter()
     kwargs: dict = {"num_draft": mode.gamma, "draft_mode": mode.draft_mode}
-    if mode.speculative and mode.draft_mode != "lookup":  # lookup needs no draft model
+    if mode.speculative and uses_model(mode.draft_mode):  # prompt lookup needs none
         kwargs["draft"] = draft
     gen = generate(
         target, ids, max_tokens=max_tokens, temperature=temperature, seed=seed, **kwargs

@@ -95,14 +95,12 @@ def chat(
         model, draft, no_draft, dtype, report_note, cpu_weights, quiet
     )
 
-    from ..caches import check_rollback
+    from ..drafters import check_exact, default_mode
     from ..engine import Session
     from ..loading import backend
-    from ..settings import resolve_draft_mode
 
-    draft_mode = resolve_draft_mode(draft_mode, drafter is not None)
-    if num_draft != 0 and (drafter is not None or draft_mode != "model"):
-        check_rollback(target, *([drafter] if drafter and draft_mode != "lookup" else []))
+    draft_mode = draft_mode or default_mode(drafter is not None)
+    check_exact(target, drafter, draft_mode, num_draft)
 
     for line in report.startup_lines(target, drafter, timings, backend()):
         report_note(line)
@@ -155,7 +153,7 @@ def reply(
     shown = shown or Shown([])
     from ..engine import generate
 
-    target = session.target
+    target = session.model
     ids, rendered = conversation_ids(target.tokenizer, convo, message)
     limit = target.config.get("max_position_embeddings")
     room = limit - len(ids) if limit else settings.max_tokens
@@ -363,9 +361,9 @@ def change_setting(arg: str, settings: Settings, convo: Conversation, note) -> N
 
 
 def show_totals(session, convo: Conversation, totals: Totals, note) -> None:
-    limit = session.target.config.get("max_position_embeddings")
+    limit = session.model.config.get("max_position_embeddings")
     lines = [
-        f"context {len(session.cached)}/{limit or '?'} tokens in the cache, "
+        f"context {len(session.target.cached)}/{limit or '?'} tokens in the cache, "
         f"{len(convo.messages) // 2} turns",
     ]
     for label, replies in (

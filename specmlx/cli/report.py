@@ -137,19 +137,20 @@ def gamma_shown(stats) -> str:
 def plain_note(stats, has_draft: bool, draft_on: bool = True) -> str:
     """Why a reply ran without drafts: none loaded (`has_draft`: a draft model was), turned
     off, or auto's choice and the measured costs it rested on."""
+    from ..drafters import kind
+
     if not draft_on:
         return "plain decoding (draft off)"
-    lookup_only = stats.draft_mode == "lookup"
-    if not has_draft and stats.draft_mode == "model":
+    if not stats.drafters:
         return "plain decoding (no draft)"
     if stats.gamma == 0:
         return "plain decoding (γ 0)"
     if stats.gamma != "auto":
         return "draft idle: too few tokens to draft"
-    if lookup_only:
-        return "draft idle: no n-gram of the context matched"
-    if not has_draft:
-        return "draft idle: no n-gram of the context matched (no draft model)"
+    kinds = [kind(name) for name in stats.drafters]
+    if all(k is not None and k.free for k in kinds):
+        why = "; ".join(k.idle for k in kinds)
+        return f"draft idle: {why}" + ("" if has_draft else " (no draft model)")
     if stats.draft_ratio is None:
         return "draft idle: auto kept plain decoding while it measured the passes' costs"
     why = f"a draft pass costs {stats.draft_ratio:.2f} of a target pass here"

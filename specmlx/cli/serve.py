@@ -54,14 +54,11 @@ def serve(
 
     import uvicorn
 
-    from ..caches import check_rollback
+    from ..drafters import check_exact
     from ..loading import backend
     from ..server import Defaults, make_app
-    from ..settings import resolve_draft_mode
 
-    draft_mode = resolve_draft_mode(draft_mode, drafter is not None)
-    if num_draft != 0 and (drafter is not None or draft_mode != "model"):
-        check_rollback(target, *([drafter] if drafter and draft_mode != "lookup" else []))
+    check_exact(target, drafter, draft_mode, num_draft)
     for line in report.startup_lines(target, drafter, timings, backend()):
         log(line)
     bound_host, bound_port = listener.getsockname()[:2]

@@ -1,27 +1,147 @@
-"""Where draft tokens come from.
+"""Where draft tokens come from: drafters by name.
 
-A drafter is told the context a call starts from, proposes g tokens with the
-distributions q they were drawn from, and is told after every round what the target
-emitted (and, when the proposal was its own, how many of its drafts passed), so it can
-keep its own state in step. The accept/reject rule (verify.accept_reject) is the same for
-every drafter; a new one implements `Drafter` and the engine needs no change.
-`model_drafter` builds the draft model's, its head cut to a sub-vocabulary (subvocab).
+A drafter implements the protocol in protocol.py (`start`, `propose`, `commit`) and is
+registered here under a name: the name is what `--draft-mode` and the server's
+`draft_mode` take, and what Stats counts its rounds under. The engine, the γ policy, the
+CLI and the server read what a drafter needs from its registration and its attributes
+(`free`: its drafts cost no model pass; `reads_hidden`: the target's last hidden states
+come to it in each Verdict), never from its class or name. `generate(..., drafter=obj)`
+runs any object that implements the protocol, registered or not.
+
+This module stays light (no MLX import) so that option checks can read the names; each
+built-in drafter's module is imported when one is made.
 """
 
-from .lookup import LookupDrafter
-from .model import ModelDrafter
-from .probe import CostProbe
-from .protocol import Drafter, Draw, GoOn, Proposal, point_mass
-from .subvocab import model_drafter
+from __future__ import annotations
 
-__all__ = [
-    "CostProbe",
-    "Draw",
-    "Drafter",
-    "GoOn",
-    "LookupDrafter",
-    "ModelDrafter",
-    "model_drafter",
-    "Proposal",
-    "point_mass",
-]
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..errors import SpecmlxError
+
+if TYPE_CHECKING:
+    from ..loading import Model
+    from .protocol import Drafter
+
+AUTO = "auto"  # every registered drafter that can run here, free ones tried first
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    name: str
+    # (the draft model or None, the vocabulary width verify compares over) -> a drafter,
+    # or None where it cannot run (it needs a draft model and none is loaded)
+    make: Callable[[Model | None, int], Drafter | None]
+    summary: str
+    needs_model: bool = False  # runs a draft model, which must be loaded
+    reads_hidden: bool = False  # drafts from the target's last hidden states
+    free: bool = False  # its drafts cost no model pass: the policy prices them at 0
+    rollback: str = "nothing to roll back"  # how it undoes a rejected draft
+    idle: str = "it found nothing to propose"  # why it sat out a call, for the stats line
+
+
+_KINDS: dict[str, DrafterKind] = {}
+
+
+def register(kind: DrafterKind) -> DrafterKind:
+    if kind.name == AUTO or kind.name in _KINDS:
+        raise ValueError(f"a drafter named {kind.name!r} is already registered")
+    _KINDS[kind.name] = kind
+    return kind
+
+
+def kinds() -> list[DrafterKind]:
+    return list(_KINDS.values())
+
+
+def kind(name: str) -> DrafterKind | None:
+    return _KINDS.get(name)
+
+
+def modes() -> list[str]:
+    """What --draft-mode takes: each drafter's name, and auto."""
+    return [*_KINDS, AUTO]
+
+
+def check_mode(mode: str | None) -> str | None:
+    if mode is not None and mode not in modes():
+        raise SpecmlxError(f"draft mode must be one of {', '.join(modes())}, got {mode!r}")
+    return mode
+
+
+def default_mode(has_draft_model: bool) -> str:
+    """With a draft model, every drafter (a matched n-gram's drafts cost no draft pass;
+    bench/results/ARCHIVE.md, 'draft modes'); without one, the model drafter, which has
+    nothing to run: plain decoding, so that --no-draft is the target alone."""
+    return AUTO if has_draft_model else "model"
+
+
+def uses_model(mode: str | None) -> bool:
+    """Whether this mode can run the draft model (so a loaded one must roll back)."""
+    chosen = kinds() if mode in (None, AUTO) else [k for k in kinds() if k.name == mode]
+    return any(k.needs_model for k in chosen)
+
+
+def select(mode: str, draft: Model | None, width: int, made: dict[str, Drafter]) -> list:
+    """The drafters `mode` runs here, free ones first; `made` keeps each across calls (a
+    draft model's cache persists in a Session)."""
+    chosen = kinds() if mode == AUTO else [_KINDS[mode]]
+    out = []
+    for k in sorted(chosen, key=lambda k: not k.free):
+        if k.name not in made:
+            made[k.name] = k.make(draft, width)
+        if made[k.name] is not None:
+            out.append(made[k.name])
+    return out
+
+
+def is_free(drafter: Any) -> bool:
+    return bool(getattr(drafter, "free", False))
+
+
+def reads_hidden(drafter: Any) -> bool:
+    return bool(getattr(drafter, "reads_hidden", False))
+
+
+def _lazy(module: str, factory: str) -> Callable:
+    def make(draft, width):
+        return getattr(importlib.import_module(f"{__name__}.{module}"), factory)(draft, width)
+
+    return make
+
+
+register(
+    DrafterKind(
+        "lookup",
+        _lazy("lookup", "make"),
+        "prompt lookup: what followed the last n-gram's previous occurrence in the text",
+        free=True,
+        idle="no n-gram of the context matched",
+    )
+)
+register(
+    DrafterKind(
+        "model",
+        _lazy("subvocab", "make"),
+        "a smaller model with the target's tokenizer, its head cut to frequent tokens",
+        needs_model=True,
+        rollback="its own cache, trimmed or rewound like the target's",
+        idle="auto kept plain decoding",
+    )
+)
+
+
+def check_exact(target: Model, draft: Model | None, mode: str | None, gamma: int | str) -> None:
+    """Refuse at start-up, in one line, a setting that would speculate on a model whose
+    cache a rejected draft cannot be rolled back from (caches.check_rollback)."""
+    mode = mode or default_mode(draft is not None)
+    chosen = kinds() if mode == AUTO else [_KINDS[mode]]
+    running = [k for k in chosen if draft is not None or not k.needs_model]
+    if gamma == 0 or not running:
+        return
+    from ..caches import check_rollback
+
+    models = [draft] if draft is not None and any(k.needs_model for k in running) else []
+    check_rollback(target, *models)

@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .protocol import Draw, GoOn, Proposal, point_mass
+from .protocol import Draw, GoOn, Proposal, Verdict
 
 
 class LookupDrafter:
     """Free to run and often right on summarisation, extraction and code edits, where the
-    output copies the prompt. Its q is a point mass, so exactness holds unchanged: accept
-    with probability p(x), else resample from p with x removed.
+    output copies the prompt. Its drafts are guesses (q None: a point mass), so exactness
+    holds unchanged: accept with probability p(x), else resample from p with x removed.
     """
 
     name = "lookup"
+    free = True
 
-    def __init__(self, vocab_size: int, sampled: bool, max_ngram: int = 3, min_ngram: int = 2):
-        self.vocab_size = vocab_size
-        self.sampled = sampled  # at T > 0 the verify needs q, here a point mass
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 2):
         # One token matches somewhere in almost any long text, and what followed it there
         # seldom follows here: on prose such guesses kept lookup looking (and losing).
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
@@ -60,10 +59,17 @@ class LookupDrafter:
         self._found = (len(h), g, found)
         return found
 
-    def propose(self, g: int, key: mx.array, draw: Draw, go_on: GoOn | None = None) -> Proposal:
-        tokens = mx.array(self.find(g), mx.uint32)
-        return Proposal(tokens, point_mass(tokens, self.vocab_size) if self.sampled else None)
+    def available(self, g: int) -> int:
+        return len(self.find(g))
 
-    def commit(self, proposal: Proposal | None, accepted: int, emitted: list[int]) -> int:
-        self._extend(emitted)
+    def propose(self, g: int, key: mx.array, draw: Draw, go_on: GoOn | None = None) -> Proposal:
+        return Proposal(mx.array(self.find(g), mx.uint32))
+
+    def commit(self, proposal: Proposal | None, verdict: Verdict) -> int:
+        self._extend(verdict.emitted)
         return 0
+
+
+def make(draft: object, width: int) -> LookupDrafter:
+    """The registered factory: prompt lookup needs neither a model nor the width."""
+    return LookupDrafter()

@@ -7,6 +7,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
+import numpy as np
 
 from ..caches import (
     PREFILL_STEP,
@@ -17,10 +18,12 @@ from ..caches import (
     rewind,
     snapshot,
     timed_pass,
+    trims_exactly,
 )
 from ..cpu import softmax
 from ..loading import Model
-from .protocol import Draw, GoOn, Proposal
+from ..verify import top_probability
+from .protocol import Draw, GoOn, Proposal, Verdict
 
 if TYPE_CHECKING:
     from .subvocab import SubHead
@@ -39,9 +42,11 @@ class ModelDrafter:
 
     name = "model"
 
-    def __init__(self, model: Model, head: SubHead | None = None):
+    def __init__(self, model: Model, width: int, head: SubHead | None = None):
         self.model = model
+        self.width = width  # the vocabulary verify compares over
         self.head = head
+        self.scratch = np.empty(width, np.float32)
         self.cache = make_cache(model.module)
         self.cached: list[int] = []  # tokens whose entries are in the cache
         self.prompt_snapshot = None  # the cache at the last prompt it took, where trims can't
@@ -63,14 +68,26 @@ class ModelDrafter:
     def behind(self) -> int:
         """Tokens of the text it must take before it drafts from the last one: the call's
         prompt where it has not taken it yet, and what it missed while it sat out or
-        prompt lookup drafted. Drafting must win them back within the call: on a CPU a
-        long prompt costs the draft more target steps than a short reply can save
-        (bench/results, round 33)."""
+        prompt lookup drafted. Drafting must win them back within the call: where a pass
+        over many tokens costs several one-token passes, a long prompt costs the draft
+        more than a short reply can save."""
         return max(0, len(self.pending) - 1)
+
+    @property
+    def cost_id(self) -> str:
+        """What its pass costs depend on: the model, its dtype and weights, its head."""
+        m, head = self.model, self.head
+        vocab = f"head {head.ids.size}" if head is not None else "full head"
+        return f"{m.path}:{m.dtype}:{m.weights or 'as stored'}:{vocab}"
+
+    def interrupted(self) -> None:
+        if not trims_exactly(self.cache):
+            self.cached.clear()
 
     def propose(self, g: int, key: mx.array, draw: Draw, go_on: GoOn | None = None) -> Proposal:
         """g tokens and their q, lazily (nothing is synced unless `go_on` is given: it is
-        shown each draft as it is made, the last one too, and syncs every pass)."""
+        shown its top probability at each draft as it is made, the last one too, which
+        syncs every pass)."""
         start = time.perf_counter()
         if self.prompt_left:
             self._feed(self.prompt_left)
@@ -85,17 +102,20 @@ class ModelDrafter:
         self.fed = list(self.pending)
         self.cached += self.pending
         x = mx.array(self.pending, mx.uint32)
-        tokens, qs = [], []
+        tokens, qs, tops = [], [], []
         for k in mx.random.split(key, g):
             logits, probs, x = self.step(x, k, draw)
             mx.async_eval(x)
             tokens.append(x)
             qs.append(probs if self.head is None or probs is None else self.head.widen(probs))
-            if go_on is not None and not go_on(logits, self._shown(logits, probs)):
-                break
+            if go_on is not None:
+                shown = self._shown(logits, probs)
+                tops.append(top_probability(logits, shown, self.width, self.scratch))
+                if not go_on(tops):
+                    break
         self.pending = []
         q = None if qs[0] is None else mx.concatenate(qs)
-        return Proposal(mx.concatenate(tokens), q, fed, first, prompt_s)
+        return Proposal(mx.concatenate(tokens), q, None, fed, first, prompt_s, tops=tops)
 
     def step(self, x: mx.array, key: mx.array, draw: Draw) -> tuple:
         """One draft pass over tokens x (lazy): (logits, the distribution drawn from or None
@@ -109,13 +129,14 @@ class ModelDrafter:
         return logits, probs, self.head.token(index)
 
     def _shown(self, logits: mx.array, probs: mx.array | None) -> mx.array | None:
-        """What go_on reads the draft's confidence from. Over a sub-vocabulary the logits are
-        not the full row it expects at temperature 0, so it is shown their softmax."""
+        """What its confidence is read from. Over a sub-vocabulary the logits are not the
+        full row top_probability expects at temperature 0: their softmax is read."""
         if self.head is None or probs is not None:
             return probs
         return softmax(logits.astype(mx.float32))
 
-    def commit(self, proposal: Proposal | None, accepted: int, emitted: list[int]) -> int:
+    def commit(self, proposal: Proposal | None, verdict: Verdict) -> int:
+        accepted, emitted = verdict.accepted, verdict.emitted
         if proposal is None:
             self.pending += emitted  # it sat out: it takes them with its next pass
             return 0

@@ -30,14 +30,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..caches import check_rollback
 from ..errors import SpecmlxError
+from ..heads import cuttable, head_layer
 from ..loading import Model
 from .model import ModelDrafter
 
-# Architectures whose mlx-lm Model computes logits as exactly head(self.model(inputs, cache)),
-# the head being `lm_head` or, when tied, `model.embed_tokens.as_linear` (no softcapping,
-# scaling or wrapper in between): their head can be cut to rows.
-HEAD_OF_BODY = {"llama", "qwen2", "qwen3", "qwen3_moe", "phi3", "olmo2", "smollm3", "gemma3_text"}
 # The default size (None: the full head), by measurement: bench/results/draft_head.md.
 DEFAULT_SIZE: int | None = 65536
 ENV = "SPECMLX_DRAFT_VOCAB"
@@ -69,24 +67,6 @@ class SubHead:
         """q over the full vocabulary: the draw's distribution, zero outside the ids."""
         q = mx.zeros((probs.shape[0], self.width), probs.dtype)
         return mx.put_along_axis(q, mx.broadcast_to(self.ids, probs.shape), probs, axis=-1)
-
-
-def cuttable(model: Model) -> bool:
-    """Whether this model's output head can be cut to rows (see HEAD_OF_BODY)."""
-    module = model.module
-    return (
-        isinstance(module, nn.Module)  # not a wrapper around one
-        and model.config.get("model_type") in HEAD_OF_BODY
-        and "model" in module
-    )
-
-
-def head_layer(model: Model) -> tuple[nn.Module, bool]:
-    """(the output head layer, whether it is the tied embedding)."""
-    module = model.module
-    if "lm_head" in module:
-        return module.lm_head, False
-    return module.model.embed_tokens, True
 
 
 def token_order(model: Model) -> mx.array:
@@ -192,5 +172,14 @@ def model_drafter(model: Model, width: int) -> ModelDrafter:
     size = draft_size(model)
     # A target with fewer tokens than the draft: the full head (the draw cuts its logits).
     if size is None or width < model.vocab_size:
-        return ModelDrafter(model)
-    return ModelDrafter(model, shared_sub_head(model, size, width))
+        return ModelDrafter(model, width)
+    return ModelDrafter(model, width, shared_sub_head(model, size, width))
+
+
+def make(draft: Model | None, width: int) -> ModelDrafter | None:
+    """The registered factory: the draft model's drafter, None without a draft model.
+    Its cache must roll back exactly like the target's (caches.check_rollback)."""
+    if draft is None:
+        return None
+    check_rollback(draft)
+    return model_drafter(draft, width)

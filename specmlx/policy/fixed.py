@@ -1,24 +1,24 @@
-"""A fixed γ: the draft model drafts γ each round; prompt lookup what it finds."""
+"""A fixed γ: the first drafter with something to offer drafts up to γ each round."""
 
 from __future__ import annotations
 
-from ..drafters import LookupDrafter, ModelDrafter
-from .round import Plan, Round
+from ..drafters.protocol import Drafter, available
+from .round import Plan, RoundSummary
 
 
 class FixedGamma:
-    def __init__(self, gamma: int, model: ModelDrafter | None, lookup: LookupDrafter | None):
-        self.gamma, self.model, self.lookup = gamma, model, lookup
+    def __init__(self, gamma: int, drafters: list[Drafter]):
+        self.gamma, self.drafters = gamma, drafters
+        self.helpers: list[Drafter] = []
 
     def plan(self, remaining: int) -> Plan:
-        if self.gamma == 0:
-            return Plan(None, 0)
-        found = self.lookup.find(self.gamma) if self.lookup is not None else []
-        if self.lookup is not None and (found or self.model is None):
-            return Plan(self.lookup, len(found))  # it proposes only what the context offers
-        return Plan(self.model, self.gamma)
+        for drafter in self.drafters if self.gamma else []:
+            offer = min(self.gamma, available(drafter, self.gamma))
+            if offer:  # prompt lookup proposes only what the context offers
+                return Plan(drafter, offer)
+        return Plan(None, 0)
 
-    def observe(self, round: Round) -> None:
+    def observe(self, round: RoundSummary) -> None:
         pass
 
     def while_running(self) -> None:

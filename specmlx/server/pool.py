@@ -36,11 +36,11 @@ class SessionPool:
         room, so that interleaved conversations keep a cache each."""
         # The most recently used wins a tie: it is the likeliest to be asked again.
         best = max(
-            reversed(self.idle), key=lambda s: common_prefix_len(s.cached, ids), default=None
+            reversed(self.idle), key=lambda s: common_prefix_len(s.target.cached, ids), default=None
         )
-        shared = common_prefix_len(best.cached, ids) if best is not None else 0
+        shared = common_prefix_len(best.target.cached, ids) if best is not None else 0
         room = len(self.idle) < MAX_SESSIONS
-        extends = best is not None and 0 < shared == len(best.cached)
+        extends = best is not None and 0 < shared == len(best.target.cached)
         if best is None or (room and not extends and (shared == 0 or shared < len(ids) // 2)):
             return Session(self.target, self.draft)
         best = best if shared > 0 else self.idle[0]  # no room: the least recently used
@@ -61,8 +61,8 @@ class SessionPool:
 
 
 def session_bytes(session: Session) -> int:
-    """What a Session's caches hold: every array of the target's and the draft's layers."""
-    caches = [session.cache] + ([session.drafter.cache] if session.drafter else [])
+    """What a Session's caches hold: every array of the target's and its drafters' layers."""
+    caches = [session.target.cache] + session.drafter_caches()
     return sum(
         value.nbytes
         for cache in caches

@@ -110,7 +110,7 @@ def decode(job: Job, pool: SessionPool) -> Finished:
     session = pool.take(job.ids)
     try:
         gen = generate(
-            session.target, job.ids, draft=session.draft, session=session, **job.settings
+            session.model, job.ids, draft=session.draft, session=session, **job.settings
         )
         stop = StopText(job.stops)
         pieces, shown, cut = [], 0, False

@@ -1,0 +1,324 @@
+"""The target model and everything its passes touch.
+
+A Target owns its model's cache, the tokens in it, the prompt's snapshot, the rollback
+after each round (trim, cut or checkpoint-and-rewind: caches.py) and the plain pass it
+queues ahead. The engine asks it for one of two things a round:
+
+- `verify(last, proposal, key)`: ONE pass over [last emitted token, *drafts], the drafts
+  a chain or a tree (specmlx.tree); accept/reject on the device; the cache keeps exactly
+  the accepted path. A tree needs a cache that trims exactly (a tree mask and per-node
+  positions in the pass, then the kept entries compacted); elsewhere, and at temperature
+  > 0 (multi-candidate rejection sampling is not built yet), its first path is verified
+  as a chain, which is exact, and the Verdict says so.
+- `step(last, key, next_key, room)`: one plain pass. While Python handles its token the
+  device may already compute the next plain pass (as mlx-lm's generate_step does): it is
+  built before the token is read and run only once `next_round` learns that the next
+  round is plain; where it drafts, the pass is taken back out of the cache unrun (a trim
+  would leave its writes in the arrays, computed when next read: a whole pass lost at
+  every switch to drafting). Only caches that trim exactly pipeline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from . import tree
+from .caches import (
+    checkpoint,
+    layers,
+    make_cache,
+    rewind,
+    set_state,
+    snapshot,
+    state_of,
+    sync_cache,
+    trims_exactly,
+    unrollable,
+)
+from .drafters.protocol import Proposal, Verdict, point_mass
+from .errors import SpecmlxError
+from .heads import body_and_head, cuttable
+from .loading import Model
+from .sampling import SamplingParams
+from .verify import make_sampler, make_tree_verifier, make_verifier, top_probabilities
+
+
+class Target:
+    def __init__(self, model: Model):
+        self.model = model
+        self.hidden = False  # keep the last hidden states of each pass (set_hidden)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the text (the cache); keep the model."""
+        self.cache = make_cache(self.model.module)
+        self.cached: list[int] = []  # tokens whose entries are in the cache
+        self.prompt_snapshot = None  # the cache at the last prompt, where trims can't
+        self._queued = None  # a running plain pass: (logits, probs, token, hidden)
+        self._ahead = None  # a plain pass built but not running, and the state before it
+        self._before = None
+
+    def set_hidden(self, on: bool) -> None:
+        """Expose the last hidden states in each Verdict (for a drafter that reads them):
+        the pass is split into body and head, which only some architectures allow."""
+        if on and not cuttable(self.model):
+            arch = self.model.config.get("model_type", "this architecture")
+            raise SpecmlxError(
+                f"this drafter reads the target's hidden states, which specmlx cannot take "
+                f"from {arch} ({self.model.name}); choose another drafter"
+            )
+        self.hidden = on
+
+    def check_rollback(self) -> None:
+        """Refuse, before anything is decoded, a cache a rejected draft could not be rolled
+        back from exactly (it would emit text that is not the target's)."""
+        kind = unrollable(self.cache)
+        if kind is not None:
+            arch = self.model.config.get("model_type", "this architecture")
+            raise SpecmlxError(
+                f"speculative decoding on {arch} ({self.model.name}) is not exact: its {kind} "
+                "layers cannot be rolled back after a rejected draft; run the target "
+                "alone (--no-draft, or num_draft=0)"
+            )
+
+    @property
+    def verifies_trees(self) -> bool:
+        return trims_exactly(self.cache)
+
+    @property
+    def pipelines(self) -> bool:
+        """Whether plain passes are queued ahead: only where a trim rolls the cache back
+        (the others checkpoint and rewind around every pass)."""
+        return trims_exactly(self.cache)
+
+    def start(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        vocab_size: int,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> int:
+        """A new call: the cache made to hold `prompt` (reusing the longest prefix it holds)
+        and the call's samplers; returns how many prompt tokens were processed."""
+        self._queued = self._ahead = self._before = None
+        done = sync_cache(
+            self.model, self.cache, self.cached, prompt, progress, self.prompt_snapshot
+        )
+        self.prompt_snapshot = snapshot(self.cache, self.cached)
+        self.params, self.vocab_size = params, vocab_size
+        self.verifier = make_verifier(params, vocab_size)
+        self.draw = make_sampler(params, vocab_size)
+        self._scratch = np.empty(vocab_size, np.float32)
+        return done
+
+    def interrupted(self) -> None:
+        """A call stopped mid-pass: a cache that cannot be trimmed back may hold part of a
+        round, so the next call prefills anew."""
+        self._queued = self._ahead = self._before = None
+        if not trims_exactly(self.cache):
+            self.cached.clear()
+
+    # -- plain rounds -------------------------------------------------------------
+
+    def step(self, last: int, key: mx.array, next_key: mx.array, room: bool) -> Verdict:
+        """One plain pass over `last`; with `room` for another token, the next plain pass
+        is built (over this one's token, with `next_key`) for `next_round` to run."""
+        start = time.perf_counter()
+        if self._queued is None:
+            self._queued = self._plain_pass(mx.array([last], mx.uint32), key)
+        (logits, probs, token, hidden), self._queued = self._queued, None
+        if room and self.pipelines:
+            self._before = state_of(self.cache)
+            self._ahead = self._plain_pass(token, next_key, run=False)
+        mx.eval(token)  # the sync: only this pass, not the one built after it
+        self.cached.append(last)
+        return Verdict(
+            0,
+            token.item(),
+            hidden=hidden,
+            verify_s=time.perf_counter() - start,
+            tops=lambda k: self._tops(logits, probs, k),
+        )
+
+    def next_round(self, plain: bool, last: int, key: mx.array) -> None:
+        """The next round is planned: `plain` or drafting, over `last` with `key`."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            if plain:
+                self._before = None  # its views would make the pass copy each layer's arrays
+                mx.async_eval(ahead[2])
+                self._queued = ahead
+            else:
+                set_state(self.cache, self._before)
+                self._before = None
+        elif plain and self.pipelines:
+            self._queued = self._plain_pass(mx.array([last], mx.uint32), key)
+
+    def _plain_pass(self, x: mx.array, key: mx.array, run: bool = True) -> tuple:
+        logits, hidden = self._forward(x)
+        logits = logits[-1:]
+        probs, token = self.draw(logits, key)
+        if run:
+            mx.async_eval(token)
+        return logits, probs, token, hidden
+
+    # -- drafting rounds ----------------------------------------------------------
+
+    def verify(self, last: int, proposal: Proposal, key: mx.array) -> Verdict:
+        """One pass over [last, *proposal's drafts]; the cache keeps the accepted path."""
+        start = time.perf_counter()
+        as_chain = not proposal.is_chain and not (self.verifies_trees and self.params.greedy)
+        if as_chain:
+            proposal = proposal.along(tree.first_path(proposal.parents))
+        saved = checkpoint(self.cache)
+        before = len(self.cached)
+        x = mx.concatenate([mx.array([last], mx.uint32), proposal.tokens])
+        if proposal.is_chain:
+            logits, hidden = self._forward(x)
+            q = proposal.q
+            if q is None and not self.params.greedy:  # guesses: judged as point masses
+                q = point_mass(proposal.tokens, self.vocab_size)
+            n, token, probs = self.verifier(logits, q, proposal.tokens, key)
+            mx.eval(n, token)  # the one host sync of the round
+            path = list(range(int(n)))
+        else:
+            logits, hidden = self._tree_forward(x, proposal.parents)
+            n, token, row = self._judge_tree(logits, proposal)
+            mx.eval(n, token, row)
+            path, probs = tree.path_to(proposal.parents, int(row) - 1), None
+        verified = time.perf_counter()
+        drafts = proposal.tokens.tolist()
+        kept = [last, *(drafts[j] for j in path)]
+        if proposal.is_chain:
+            rerun = rewind(self.model, self.cache, saved, kept, len(drafts) - len(path))
+        else:
+            rerun = 0
+            _keep_rows(self.cache, before, [0, *(j + 1 for j in path)], len(x))
+        self.cached += kept
+        rows = [0, *(j + 1 for j in path)]
+        return Verdict(
+            len(path),
+            token.item(),
+            path=path,
+            drafts=kept[1:],
+            hidden=None if hidden is None else hidden[mx.array(rows)],
+            verify_s=verified - start,
+            rewind_s=time.perf_counter() - verified if rerun else 0.0,
+            rerun=rerun,
+            tree_as_chain=as_chain,
+            tops=lambda k: self._tops(logits, probs, k, None if proposal.is_chain else rows),
+        )
+
+    def _judge_tree(self, logits: mx.array, proposal: Proposal) -> tuple:
+        parents = proposal.parents
+        ancestry = tree.ancestry(parents)
+        judge = make_tree_verifier(self.vocab_size)
+        return judge(
+            logits,
+            proposal.tokens,
+            mx.array([p + 1 for p in parents], mx.uint32),
+            mx.array([row[1:] for row in ancestry[1:]], mx.float32),
+            mx.array(tree.depths(parents), mx.int32),
+        )
+
+    def _tree_forward(self, x: mx.array, parents: list[int]) -> tuple:
+        """The pass over a tree's rows: each row attends to the cache and its ancestors,
+        at the position of its depth."""
+        depths = [0, *tree.depths(parents)]
+        ancestry = mx.array(tree.ancestry(parents))
+        every = layers(self.cache)
+        owners = rope_owners(self.model.module)
+        for c in every:
+            c.make_mask = _tree_mask(c, depths, ancestry)
+        for owner in owners:
+            owner["rope"] = _TreeRoPE(owner["rope"], depths)
+        try:
+            return self._forward(x)
+        finally:
+            for c in every:
+                del c.make_mask
+            for owner in owners:
+                owner["rope"] = owner["rope"].inner
+
+    def _forward(self, x: mx.array) -> tuple[mx.array, mx.array | None]:
+        """(logits (L, V), last hidden states (L, D) or None) of a pass over tokens x."""
+        if self.hidden:
+            logits, hidden = body_and_head(self.model, x[None], self.cache)
+            return logits[0], hidden[0]
+        return self.model.module(x[None], cache=self.cache)[0], None
+
+    def _tops(self, logits: mx.array, probs, k: int, rows: list[int] | None = None) -> list:
+        """The target's top probability at the first k judged rows: read on the host (the
+        engine asks while the next pass runs), from logits or the sampled distribution."""
+        if rows is not None:
+            index = mx.array(rows[:k])
+            logits, probs = logits[index], None if probs is None else probs[index]
+        return top_probabilities(logits, probs, k, self.vocab_size, self._scratch)
+
+
+def rope_owners(module: nn.Module) -> list[nn.Module]:
+    """The modules (attention layers) that hold a `rope`: where a tree's positions go."""
+    return [m for _, m in module.named_modules() if isinstance(m, nn.Module) and "rope" in m]
+
+
+class _TreeRoPE(nn.Module):
+    """A layer's RoPE at each tree row's own position (offset + its depth), in runs of
+    rows whose depths follow one another (a chain's rows are one run)."""
+
+    def __init__(self, inner: nn.Module, depths: list[int]):
+        super().__init__()
+        self.inner = inner
+        self.runs = []  # (first row, rows, depth of the first)
+        for row, depth in enumerate(depths):
+            if self.runs and depths[row - 1] + 1 == depth:
+                first, count, at = self.runs[-1]
+                self.runs[-1] = (first, count + 1, at)
+            else:
+                self.runs.append((row, 1, depth))
+
+    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+        parts = [
+            self.inner(x[..., first : first + count, :], offset=offset + at)
+            for first, count, at in self.runs
+        ]
+        return mx.concatenate(parts, axis=-2)
+
+
+def _tree_mask(c, depths: list[int], ancestry: mx.array):
+    """A cache layer's make_mask for a tree pass: each row sees the cached positions a
+    chain row at its depth would see (windows included), and its own ancestors."""
+    own = type(c).make_mask
+    start = c.offset
+
+    def make_mask(n: int, return_array: bool = False, window_size: int | None = None):
+        base = own(c, n, return_array=True, window_size=window_size)[mx.array(depths)]
+        base[:, start : start + n] = ancestry
+        return base
+
+    return make_mask
+
+
+def _keep_rows(cache: list, start: int, rows: list[int], written: int) -> None:
+    """After a tree pass wrote `written` entries from position `start` on, keep the pass
+    rows `rows` (ascending), moved to the front, and drop the rest."""
+    index = mx.array([start + r for r in rows], mx.uint32)
+    moved = rows != list(range(len(rows)))
+
+    def gather(a):
+        if isinstance(a, (list, tuple)):
+            for part in a:
+                gather(part)
+        else:
+            a[..., start : start + len(rows), :] = mx.take(a, index, axis=2)
+
+    for c in layers(cache):
+        if moved:
+            gather(c.keys)
+            gather(c.values)
+        if c.trim(written - len(rows)) != written - len(rows):
+            raise SpecmlxError("internal: a tree's cache could not be cut to its kept path")

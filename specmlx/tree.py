@@ -1,0 +1,70 @@
+"""The shape of a proposal: a chain, or a tree of drafts under the last emitted token.
+
+A proposal's nodes are numbered 0..g-1 in an order where every parent comes before its
+children; `parents[j]` is node j's parent, or -1 where it hangs from the root (the last
+emitted token, which the target's verify pass takes first). A chain is parents = j - 1.
+The verify pass runs over [root, node 0, ..., node g-1]: pass row 0 is the root and row
+j + 1 is node j, so node j is judged against the target's distribution at its parent's
+row. These functions are plain Python over the parent list: a proposal has a few nodes.
+"""
+
+from __future__ import annotations
+
+
+def chain(g: int) -> list[int]:
+    """The parents of a chain of g drafts."""
+    return list(range(-1, g - 1))
+
+
+def check(parents: list[int]) -> None:
+    """Refuse a parent list that is not a tree in parent-first order."""
+    for j, parent in enumerate(parents):
+        if not -1 <= parent < j:
+            raise ValueError(
+                f"node {j}'s parent is {parent}: a parent must be -1 (the root) or an earlier node"
+            )
+
+
+def is_chain(parents: list[int] | None) -> bool:
+    return parents is None or parents == chain(len(parents))
+
+
+def depths(parents: list[int]) -> list[int]:
+    """Each node's depth: 1 for the root's children (the position after the root)."""
+    out: list[int] = []
+    for parent in parents:
+        out.append(1 if parent < 0 else out[parent] + 1)
+    return out
+
+
+def path_to(parents: list[int], node: int) -> list[int]:
+    """The nodes from the root's child down to `node` (empty for the root, node -1)."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def first_path(parents: list[int]) -> list[int]:
+    """The path that takes each node's first child: the drafter's first choice at each
+    step, which a chain-only verify keeps of a tree."""
+    path, node = [], -1
+    while True:
+        child = next((j for j, p in enumerate(parents) if p == node), None)
+        if child is None:
+            return path
+        path.append(child)
+        node = child
+
+
+def ancestry(parents: list[int]) -> list[list[bool]]:
+    """(g + 1) x (g + 1): row i, column k is True where pass row k is pass row i or one of
+    its ancestors (row 0, the root, is every row's ancestor): the attention mask among a
+    tree's own rows."""
+    rows = [[True] + [False] * len(parents)]
+    for j, parent in enumerate(parents):
+        row = list(rows[parent + 1])
+        row[j + 1] = True
+        rows.append(row)
+    return rows
