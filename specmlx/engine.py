@@ -336,12 +336,8 @@ def _decode(
 ) -> Iterator[Step]:
     """plan → propose → verify → commit → observe, then stream the round's text."""
     target, stats, text = session.target, gen.stats, _Text(session.model.tokenizer)
-    drafters = [*policy.drafters, *policy.helpers]
-    stats.prompt_tokens, start = len(ids), time.perf_counter()
-    stats.prefill_tokens = target.start(ids[:-1], params, session.vocab_size, on_prefill)
-    for drafter in drafters:
-        drafter.start(ids)
-    stats.prefill_time = time.perf_counter() - start
+    drafters, start = [*policy.drafters, *policy.helpers], time.perf_counter()
+    _prefill(session, ids, params, drafters, stats, on_prefill)
     key, last, produced, prompt_s = mx.random.key(seed), ids[-1], 0, 0.0
     decode_start = time.perf_counter()
     plan = policy.plan(max_tokens)
@@ -387,6 +383,24 @@ def _decode(
     stats.finish_reason = stats.finish_reason or "length"
     policy.finish()
     gen.text += text.flush()
+
+
+def _prefill(
+    session: Session,
+    ids: list[int],
+    params: SamplingParams,
+    drafters: list[Drafter],
+    stats: Stats,
+    on_prefill: Callable[[int, int], None] | None,
+) -> None:
+    """The Target takes the prompt but its last token (the first round's input), and every
+    drafter is told the call's context."""
+    start = time.perf_counter()
+    stats.prompt_tokens = len(ids)
+    stats.prefill_tokens = session.target.start(ids[:-1], params, session.vocab_size, on_prefill)
+    for drafter in drafters:
+        drafter.start(ids)
+    stats.prefill_time = time.perf_counter() - start
 
 
 def _summary(

@@ -92,7 +92,7 @@ class AutoGamma:
     def while_running(self) -> None:
         """Read the last plain round's confidence while the next pass runs: the read over
         the vocabulary would otherwise hold that pass back every plain round. The next
-        plan sees a forecast one round older (bench/results/ARCHIVE.md, 'round 34')."""
+        plan sees a forecast one round older (bench/results/ARCHIVE.md, 'schedule_sim.py')."""
         if self.unread is not None:
             r, self.unread = self.unread, None
             top = r.target_tops(1)[0]
