@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ..drafters import AUTO
 from ..drafters import modes as draft_modes
 from ..errors import SpecmlxError
 from .suite import Prompt
@@ -17,7 +18,7 @@ class Mode:
     gamma: int | str  # draft tokens per round; 0 = the target alone; "auto" = specmlx decides
     # specmlx: "auto" (prompt n-grams where they match, else the draft model: generate()'s
     # default with a draft model) | "model" | "lookup"
-    draft_mode: str = "auto"
+    draft_mode: str = AUTO
     # The target alone a second time, timed as a mode of its own: an A/A test whose
     # "speedup" is what this machine's noise alone makes of two identical modes.
     control: bool = False
@@ -26,7 +27,7 @@ class Mode:
     def family(self) -> str:
         """The mode without its γ: 'specmlx' (its default drafts), 'specmlx/model',
         'specmlx/lookup', 'mlx-lm'."""
-        if self.engine != "specmlx" or self.draft_mode == "auto":
+        if self.engine != "specmlx" or self.draft_mode == AUTO:
             return self.engine
         return f"{self.engine}/{self.draft_mode}"
 
