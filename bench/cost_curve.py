@@ -72,7 +72,9 @@ def main(argv: list[str] | None = None) -> None:
             after[k].append(run("target", k))
     t1, d1 = median(alone[1]), median(draft_pass)
     if args.isa:
-        print(f"kernels forced to {args.isa}")
+        from specmlx.cpu import native
+
+        print(f"kernel: {native.describe()}")
     print(f"T(1) {t1 * 1000:.0f} ms; draft pass {d1 / t1:.2f} of T(1)")
     print("alone:       " + "  ".join(f"{k}: {median(v) / t1:.2f}" for k, v in alone.items()))
     print("after drafts: " + "  ".join(f"{k}: {median(v) / t1:.2f}" for k, v in after.items()))

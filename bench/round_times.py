@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     add_round = Stats.add_round
 
     def recording(self, r) -> None:
-        rounds.append(("plain" if r.proposal is None else f"{r.source} g={r.drafted}", r.verify_s))
+        rounds.append(("plain" if r.source == "plain" else f"{r.source} g={r.drafted}", r.verify_s))
         add_round(self, r)
 
     Stats.add_round = recording
