@@ -239,6 +239,27 @@ def _cut(c: RotatingKVCache, n: int) -> None:
     c.offset -= n
 
 
+def keep_rows(cache: list, start: int, rows: list[int], written: int) -> None:
+    """After a tree pass wrote `written` entries from position `start` on, keep the pass
+    rows `rows` (ascending), moved to the front, and drop the rest."""
+    index = mx.array([start + r for r in rows], mx.uint32)
+    moved = rows != list(range(len(rows)))
+
+    def gather(a):
+        if isinstance(a, (list, tuple)):
+            for part in a:
+                gather(part)
+        else:
+            a[..., start : start + len(rows), :] = mx.take(a, index, axis=2)
+
+    for c in layers(cache):
+        if moved:
+            gather(c.keys)
+            gather(c.values)
+        if c.trim(written - len(rows)) != written - len(rows):
+            raise SpecmlxError("internal: a tree's cache could not be cut to its kept path")
+
+
 PREFILL_STEP = 512  # tokens per prefill chunk: bounds the activations' memory
 
 

@@ -18,7 +18,6 @@ from dataclasses import asdict, dataclass, field
 import mlx.core as mx
 
 from . import drafters as registry
-from .cpu import build_id, describe
 from .drafters.protocol import Drafter, Proposal, Verdict, cost_id, interrupted
 from .errors import SpecmlxError
 from .loading import Model, backend, check_pair
@@ -26,7 +25,7 @@ from .policy import AutoGamma, FixedGamma, Policy, RoundSummary, load_costs, sav
 from .policy.choice import Scheduler
 from .sampling import SamplingParams
 from .settings import MAX_GAMMA, check_seed, check_settings
-from .target import Target
+from .target import Target, kernels
 
 
 @dataclass(frozen=True)
@@ -177,11 +176,11 @@ class Session:
         """Costs depend on the target, the drafter (a draft model's dtype and head: a
         sub-vocabulary makes its pass cheaper) and the backend (and its kernels, compiled
         or not, and which build of them)."""
-        return f"{self.cost_kernels(drafter_id)}{build_id() if backend() == 'cpu' else ''}"
+        return f"{self.cost_kernels(drafter_id)}{kernels()[1]}"
 
     def cost_kernels(self, drafter_id: str) -> str:
         """The cost key but for the kernels' build: what a rebuilt kernel's key starts with."""
-        return f"{self.cost_kin(drafter_id)}{describe() if backend() == 'cpu' else 'mlx'}; build "
+        return f"{self.cost_kin(drafter_id)}{kernels()[0]}; build "
 
     def cost_kin(self, drafter_id: str) -> str:
         """What cost keys of the same models on other kernels start with: their costs are

@@ -30,6 +30,7 @@ import numpy as np
 from . import tree
 from .caches import (
     checkpoint,
+    keep_rows,
     layers,
     make_cache,
     rewind,
@@ -40,10 +41,10 @@ from .caches import (
     trims_exactly,
     unrollable,
 )
-from .drafters.protocol import Proposal, Verdict, point_mass
 from .errors import SpecmlxError
 from .heads import body_and_head, cuttable
-from .loading import Model
+from .loading import Model, backend
+from .proposal import Proposal, Verdict, point_mass
 from .sampling import SamplingParams
 from .verify import make_sampler, make_tree_verifier, make_verifier, top_probabilities
 
@@ -198,7 +199,7 @@ class Target:
             rerun = rewind(self.model, self.cache, saved, kept, len(drafts) - len(path))
         else:
             rerun = 0
-            _keep_rows(self.cache, before, [0, *(j + 1 for j in path)], len(x))
+            keep_rows(self.cache, before, [0, *(j + 1 for j in path)], len(x))
         self.cached += kept
         rows = [0, *(j + 1 for j in path)]
         return Verdict(
@@ -303,22 +304,11 @@ def _tree_mask(c, depths: list[int], ancestry: mx.array):
     return make_mask
 
 
-def _keep_rows(cache: list, start: int, rows: list[int], written: int) -> None:
-    """After a tree pass wrote `written` entries from position `start` on, keep the pass
-    rows `rows` (ascending), moved to the front, and drop the rest."""
-    index = mx.array([start + r for r in rows], mx.uint32)
-    moved = rows != list(range(len(rows)))
+def kernels() -> tuple[str, str]:
+    """(what runs the passes, which build of its kernels): what measured costs depend on
+    besides the models."""
+    if backend() != "cpu":
+        return "mlx", ""
+    from .cpu import build_id, describe
 
-    def gather(a):
-        if isinstance(a, (list, tuple)):
-            for part in a:
-                gather(part)
-        else:
-            a[..., start : start + len(rows), :] = mx.take(a, index, axis=2)
-
-    for c in layers(cache):
-        if moved:
-            gather(c.keys)
-            gather(c.values)
-        if c.trim(written - len(rows)) != written - len(rows):
-            raise SpecmlxError("internal: a tree's cache could not be cut to its kept path")
+    return describe(), build_id()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import typer
 
+from .. import drafters
 from ..errors import SpecmlxError
 from ..settings import MAX_GAMMA
 
@@ -37,8 +38,9 @@ Gamma = typer.Option(
 DraftMode = typer.Option(
     None,
     "--draft-mode",
-    help="Where drafts come from: model (the draft model), lookup (n-grams of the prompt and "
-    "output; no draft model needed), auto (lookup when the context has a match, else model). "
+    help="Where drafts come from: "
+    + "; ".join(f"{k.name} ({k.summary})" for k in drafters.kinds())
+    + "; auto (each of them that can run, free ones first, the γ policy choosing each round). "
     "Default: auto with a draft model, else none (--no-draft is the target alone).",
     show_default=False,
 )
