@@ -355,7 +355,7 @@ def quantize(
 
     `embed_bits` applies to the embedding and output head (16 keeps them unquantized; 6,
     the default, costs +0.1% NLL against 8 bits and reads 3/4 of their bytes:
-    bench/results/ARCHIVE.md, Round 25, "6-bit embedding and head");
+    bench/results/ARCHIVE.md, "6-bit embedding and head");
     `dtype` is that of scales, biases and unquantized tensors (default: the source's
     float16/bfloat16, else float16).
     """
