@@ -73,7 +73,7 @@ def worker(kind: str, size: str) -> None:
     from mlx_lm.models import qwen2
     from mlx_lm.models.cache import make_prompt_cache
 
-    from specmlx.cpu import native
+    from specmlx.cpu import native, quantized
     from specmlx.cpu.fp32 import expand_quantized
 
     mx.set_default_device(mx.cpu)
@@ -92,7 +92,7 @@ def worker(kind: str, size: str) -> None:
         if not native.available():
             print(json.dumps({"error": native.reason()}), flush=True)
             return
-        native.patch_model(base)
+        quantized.patch_model(base)
         models["int4-native"] = base
     if kind == "reference":
         models["int4-mx"] = base

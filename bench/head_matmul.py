@@ -32,7 +32,7 @@ median_ms = native_matmul.median_ms
 
 import mlx.core as mx  # noqa: E402
 
-from specmlx.cpu import blas, native  # noqa: E402
+from specmlx.cpu import blas, native, ops  # noqa: E402
 
 ACTIVATION_HEADS = {  # name: (rows, columns, copies cycled: well over the 32 MiB L3)
     "1.5B head 151936x1536": (151936, 1536, 2),
@@ -63,7 +63,7 @@ def cycled_ms(x: mx.array, heads: list[tuple[mx.array, ...]], reps: int) -> dict
             native.set_activations(mode)
             for w, s, b in heads:
                 t0 = time.perf_counter()
-                mx.eval(native.quantized_matmul(x, w, s, b, 64, 8))
+                mx.eval(ops.quantized_matmul(x, w, s, b, 64, 8))
                 if rep:
                     times[mode].append(time.perf_counter() - t0)
     return {mode: statistics.median(t) * 1e3 for mode, t in times.items()}
@@ -74,7 +74,7 @@ def compare_activations(args) -> None:
     lines = [
         f"command: python {' '.join(sys.argv)}",
         f"cpu: {native_matmul.cpu_name()}, {os.cpu_count()} logical CPUs; kernel: "
-        f"{native.describe()}; int8 tiles: {native._ext.q8_kernel()}",
+        f"{native.describe()}; int8 tiles: {native.q8_kernel()}",
         f"mlx {mx.__version__}; 8-bit g64, fp16 scales and biases; ms per call, median of "
         f"{args.reps} passes over the copies, the modes interleaved",
         "",
@@ -119,7 +119,7 @@ def main() -> None:
             sys.exit(f"native kernel unavailable: {native.reason()}")
         native.set_threads(int(os.environ.get("SPECMLX_THREADS", "2")))
         if args.isa:
-            native._ext.set_isa(args.isa)
+            native.set_isa(args.isa)
         compare_activations(args)
         return
     threads = int(os.environ.get("SPECMLX_THREADS", "1"))
@@ -136,7 +136,7 @@ def main() -> None:
             x = mx.random.normal((m, cols))
             mx.eval(x)
             dense = median_ms(lambda: x @ w.T, 7)  # noqa: B023
-            packed = median_ms(lambda: native.quantized_matmul(x, q, scales, biases, 64, 8), 7)  # noqa: B023
+            packed = median_ms(lambda: ops.quantized_matmul(x, q, scales, biases, 64, 8), 7)  # noqa: B023
             print(f"| {name} | {m} | {dense:.1f} | {packed:.1f} | {dense / packed:.1f}x |")
 
 

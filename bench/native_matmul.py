@@ -27,7 +27,7 @@ mlx, e.g. from two commits' specmlx/cpu/_native) against each other in one proce
 builds alternating within every repeat: int8 x (--x float32: float32 x), 2 threads, at
 M = 1, 2, 3, 8, on the 1.5B's gate/up and down projections (INT4) and the 1.5B head and
 the 0.5B draft's sub-vocabulary head (8-bit), fp16 scales as checkpoints store them, the
-4-bit ones in the packed layout where a build's tiles read it (native.pack_layers).
+4-bit ones in the packed layout where a build's tiles read it (packing.pack_layers).
 Copies of each matrix (~300 MB in all) are cycled so that every call reads its weights
 from DRAM, as a model's step does. --isa forces an instruction set in both. With --model,
 also whole-model passes of that model over k = 1, 2, 4, 8 tokens (on a short prompt's
@@ -52,7 +52,7 @@ blas.activate()  # before mlx is imported, so MLX's sgemm is OpenBLAS when there
 
 import mlx.core as mx  # noqa: E402
 
-from specmlx.cpu import native  # noqa: E402
+from specmlx.cpu import native, ops  # noqa: E402
 
 SHAPES = {  # name: (N output features, K input features)
     "4096x4096": (4096, 4096),
@@ -111,7 +111,7 @@ def measure(m: int, w, scales, biases, thread_counts: list[int], args) -> str:
         )
 
     def ours() -> mx.array:
-        return native.quantized_matmul(x, w, scales, biases, GROUP_SIZE)
+        return ops.quantized_matmul(x, w, scales, biases, GROUP_SIZE)
 
     def dequant_matmul() -> mx.array:
         return x @ mx.dequantize(w, scales, biases, group_size=GROUP_SIZE, bits=4).T
@@ -170,7 +170,7 @@ def compare_activations(args) -> list[str]:
             mx.eval(x)
 
             def call(x=x, w=w, scales=scales, biases=biases) -> mx.array:
-                return native.quantized_matmul(x, w, scales, biases, GROUP_SIZE)
+                return ops.quantized_matmul(x, w, scales, biases, GROUP_SIZE)
 
             reps = args.reps if m <= 16 else max(3, args.reps // 3)
             ms = interleaved_ms({mode: call for mode in MODES}, reps)
@@ -297,7 +297,7 @@ def build_passes(args, builds: dict) -> list[str]:
 
 def packed_copies(ext, mats: list[tuple], bits: int) -> list:
     """Each 4-bit matrix in the build's packed layout where its tiles read one (as
-    native.pack_layers gives a model's layers), else None: what a model's step runs."""
+    packing.pack_layers gives a model's layers), else None: what a model's step runs."""
     if bits != 4 or not getattr(ext, "reads_packed", lambda: False)():
         return [None] * len(mats)
     packs = [ext.pack_quad(*mat, GROUP_SIZE) for mat in mats]
@@ -402,7 +402,7 @@ def main() -> None:
         header = [
             f"command: python {' '.join(sys.argv)}",
             f"cpu: {cpu_name()}, {os.cpu_count()} logical CPUs; kernel: {native.describe()}; "
-            f"int8 tiles: {native._ext.q8_kernel()}",
+            f"int8 tiles: {native.q8_kernel()}",
             f"fp32 matmul BLAS: {blas.active_library() or 'MLX bundled (reference BLAS)'}",
             f"mlx {mx.__version__}; INT4 g{GROUP_SIZE}, float32 scales; ms per call, median of "
             f"{args.reps} (M <= 16) / {max(3, args.reps // 3)} (M > 16), the modes interleaved",

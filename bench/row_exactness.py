@@ -4,7 +4,7 @@ Speculation verifies γ + 1 positions in one target pass; the target alone decod
 token a step. Greedy output is the same only if each position's logits are, or differ too
 little to flip a near-tie. This builds each tiny architecture of specmlx.tiny, prefills a
 prompt, then runs three tokens as one pass and as three steps from the same cache, and
-prints the largest logit difference. specmlx.cpu.native.rows_exact is the rule drawn
+prints the largest logit difference. specmlx.exactness.rows_exact is the rule drawn
 from it: int8 activations (whose rounding can carry a last-bit difference to a different
 token) only where every layer keeps a plain KV cache.
 

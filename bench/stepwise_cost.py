@@ -34,7 +34,7 @@ from mlx_lm.models.mamba2 import Mamba2Block, ModelArgs
 import specmlx
 from specmlx import stepwise
 from specmlx.caches import checkpoint, make_cache, prefill, rewind
-from specmlx.cpu import native
+from specmlx.cpu import quantized
 from specmlx.tiny import build_tiny_model
 
 ARCHS = ("mamba2", "granitemoehybrid", "falcon_h1")
@@ -100,7 +100,7 @@ def real_shape_mixer(hidden: int, heads: int, head_dim: int, state: int, groups:
     mixer = Mamba2Block(args, 0)
     mixer.update(nn.utils.tree_map(lambda p: 0.02 * mx.random.normal(p.shape), mixer.parameters()))
     nn.quantize(mixer, group_size=64, bits=4)
-    native.patch_model(mixer)
+    quantized.patch_model(mixer)
     stepwise.patch_model(mixer)
     mx.eval(mixer.parameters())
     return mixer

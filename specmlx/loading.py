@@ -32,7 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
-from . import cpu, mlxlm, stepwise
+from . import cpu, exactness, mlxlm, stepwise
 from .errors import SpecmlxError
 from .safetensors import Header, read_header
 
@@ -227,7 +227,7 @@ def load(
     """Load a model directory or hub id (dense or MLX-quantized) for generation.
 
     With `native`, INT4 layers run on specmlx's CPU kernel where it applies (see
-    specmlx.cpu.native; everything else, and the GPU, keeps mx.quantized_matmul).
+    specmlx.cpu.quantized; everything else, and the GPU, keeps mx.quantized_matmul).
     `tokenizer_from`: a loaded model whose tokenizer is reused when this one ships a
     byte-identical tokenizer.json (a draft of the same family); loading a 150k-token
     tokenizer takes a quarter of a second (more through transformers), and a draft's
@@ -286,9 +286,14 @@ def load(
     chosen = pick_dtype(config, dtype)
     stored = dict(tree_flatten(module.parameters()))  # the kernel's layers keep their halves
     cast_floating(module, chosen)
-    stepwise.patch_model(module)  # before prepare: keep_exact asks if passes are exact
+    stepwise.patch_model(module)  # before prepare, which asks whether passes are exact
     weights, weights_why = cpu.prepare(
-        module, cpu_weights, backend(), use_native=native, stored=stored
+        module,
+        cpu_weights,
+        backend(),
+        use_native=native,
+        stored=stored,
+        passes_exact=exactness.passes_exact,
     )
     del stored
     reading = count_in_place(module, mapped, unavailable)
@@ -331,7 +336,7 @@ def mapping_unavailable() -> str:
 
     if not native.available():
         return f"native extension unavailable: {native.reason()}"
-    unsupported = getattr(native._ext, "mapping_unsupported", None)
+    unsupported = native.op("mapping_unsupported")
     if unsupported is None:
         return "the native extension was built before mapping existed; reinstall specmlx"
     return unsupported()
@@ -374,7 +379,7 @@ def map_weights(header: Header) -> tuple[dict[str, mx.array], list[mx.array], st
         (t.begin, list(t.shape), SAFETENSORS_DTYPES[t.dtype]) for t in header.tensors.values()
     ]
     try:
-        arrays = native._ext.map_tensors(str(header.path), entries)
+        arrays = native.op("map_tensors")(str(header.path), entries)
     except ValueError as e:  # open/mmap refused, or the file changed since its header
         read_header(header.path)  # a file cut short since is one line, not a fallback
         return {}, [], f"mapping {header.path.name} failed ({one_line(e, 120)})"

@@ -25,8 +25,8 @@ of that architecture, as specmlx.cpu.attention patches a module's function.
 
 Why the other state-space architectures need none of this: qwen3_next and qwen3_5's gated
 delta rule runs its recurrence one token at a time whatever the pass's length, and lfm2's
-are a short conv, row-exact on the CPU as the Mamba-2 conv is (native.rows_exact does
-not claim them yet).
+are a short conv, row-exact on the CPU as the Mamba-2 conv is (specmlx.exactness's
+RECURRENT_EXACT names them).
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
 from .caches import layers
+from .settings import MAX_GAMMA
 
-# The longest pass stepped: a verify pass or a draft's catch-up, settings.MAX_GAMMA + 1
-# tokens (not imported: settings reaches specmlx.cpu, whose native.rows_exact asks here).
-MAX_TOKENS = 9
+# The longest pass stepped: a verify pass or a draft's catch-up.
+MAX_TOKENS = MAX_GAMMA + 1
 # The mlx-lm classes (module, name) whose `_conv` and `_ssm` are wrapped: Mamba-2 mixers
 # keeping (conv state, SSM state) in an ArraysCache's slots 0 and 1.
 MIXERS = {

@@ -10,7 +10,8 @@ from mlx.utils import tree_flatten
 import specmlx
 from specmlx import cpu
 from specmlx.convert.quantize import quantize
-from specmlx.cpu import fp32, native
+from specmlx.cpu import fp32, native, qkv, quantized
+from specmlx.exactness import passes_exact
 
 TOKENS = mx.array([[3, 17, 42, 99, 7, 250, 11, 5]])
 
@@ -148,7 +149,7 @@ def no_blas_look_up():
 
 def test_auto_keeps_int4_where_the_native_kernel_runs_without_asking_the_blas(monkeypatch):
     module = tiny_qwen2(tied=False)
-    monkeypatch.setattr(fp32.native, "runs_int4", lambda m: True)
+    monkeypatch.setattr(fp32.quantized, "runs_int4", lambda m: True)
     monkeypatch.setattr(fp32, "fast_blas_active", no_blas_look_up)
     monkeypatch.setattr(fp32, "available_memory", lambda: 1 << 40)
     assert fp32.pick_cpu_weights(module, "auto", "cpu") == ("int4", "native INT4 kernel")
@@ -159,12 +160,12 @@ def test_auto_loads_int4_on_this_machines_native_kernel(int4_dir, monkeypatch):
     monkeypatch.setattr(fp32, "fast_blas_active", no_blas_look_up)
     model = specmlx.load(int4_dir)
     assert (model.weights, model.weights_why) == ("int4", "native INT4 kernel")
-    assert any(isinstance(m, native.NativeQuantizedLinear) for m in model.module.modules())
+    assert any(isinstance(m, quantized.NativeQuantizedLinear) for m in model.module.modules())
 
 
 def test_auto_expands_only_without_the_native_kernel_on_a_fast_blas_with_room(monkeypatch):
     module = tiny_qwen2(tied=False)
-    monkeypatch.setattr(fp32.native, "runs_int4", lambda m: False)
+    monkeypatch.setattr(fp32.quantized, "runs_int4", lambda m: False)
     monkeypatch.setattr(fp32, "fast_blas_active", lambda: True)
     monkeypatch.setattr(fp32, "available_memory", lambda: 1 << 40)
     assert fp32.pick_cpu_weights(module, "auto", "cpu")[0] == "fp32"
@@ -177,7 +178,7 @@ def test_auto_expands_only_without_the_native_kernel_on_a_fast_blas_with_room(mo
     assert fp32.pick_cpu_weights(module, "auto", "cpu")[0] == "int4"
     # Loading without the native kernel: its availability does not count.
     monkeypatch.setattr(fp32, "fast_blas_active", lambda: True)
-    monkeypatch.setattr(fp32.native, "runs_int4", lambda m: True)
+    monkeypatch.setattr(fp32.quantized, "runs_int4", lambda m: True)
     assert fp32.pick_cpu_weights(module, "auto", "cpu", use_native=False)[0] == "fp32"
 
 
@@ -192,7 +193,7 @@ def test_an_explicit_mode_is_kept_anywhere(monkeypatch):
 def test_dense_checkpoint_and_bad_mode(models):
     assert models["target"].weights == "dense"
     with pytest.raises(specmlx.SpecmlxError, match="auto, int4, fp32"):
-        cpu.prepare(models["target"].module, "fp16", "cpu")
+        cpu.prepare(models["target"].module, "fp16", "cpu", passes_exact=passes_exact)
 
 
 # ---- prepare: the choice, the expansion and the kernel, in that order ---------------------
@@ -201,15 +202,18 @@ def test_dense_checkpoint_and_bad_mode(models):
 @needs_native
 def test_prepare_fp32_leaves_the_8_bit_head_packed_on_the_native_kernel():
     model = tiny_qwen2(tied=False, head_bits=8)
-    assert cpu.prepare(model, "fp32", "cpu") == ("fp32", "requested")
-    assert type(model.lm_head) is native.NativeQuantizedLinear
+    assert cpu.prepare(model, "fp32", "cpu", passes_exact=passes_exact) == ("fp32", "requested")
+    assert type(model.lm_head) is quantized.NativeQuantizedLinear
     assert type(model.model.embed_tokens) is nn.Embedding
     assert not [m for m in model.modules() if fp32.is_quantized(m) and m is not model.lm_head]
 
 
 def test_prepare_without_the_native_kernel_expands_every_layer():
     model = tiny_qwen2(tied=False, head_bits=8)
-    assert cpu.prepare(model, "fp32", "cpu", use_native=False) == ("fp32", "requested")
+    assert cpu.prepare(model, "fp32", "cpu", use_native=False, passes_exact=passes_exact) == (
+        "fp32",
+        "requested",
+    )
     assert not quantized_layers(model)
 
 
@@ -217,12 +221,12 @@ def test_prepare_without_the_native_kernel_expands_every_layer():
 def test_prepare_int4_routes_every_layer_through_the_native_kernel():
     model = tiny_qwen2(tied=False)
     before = model(TOKENS)
-    assert cpu.prepare(model, "int4", "cpu") == ("int4", "requested")
+    assert cpu.prepare(model, "int4", "cpu", passes_exact=passes_exact) == ("int4", "requested")
     kinds = {type(m) for m in quantized_layers(model)}
     # q, k and v run stacked (patch_projections): native layers of their own subclass
     assert kinds == {
-        native.NativeQuantizedLinear,
-        native.NativeStackedLinear,
-        native.NativeQuantizedEmbedding,
+        quantized.NativeQuantizedLinear,
+        qkv.NativeStackedLinear,
+        quantized.NativeQuantizedEmbedding,
     }
     assert mx.allclose(model(TOKENS), before, atol=1e-4).item()

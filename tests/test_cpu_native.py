@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import specmlx
-from specmlx.cpu import native
+from specmlx.cpu import native, ops
+from specmlx.cpu.quantized import NativeQuantizedLinear, patch_model
 from specmlx.errors import SpecmlxError
 
 needs_native = pytest.mark.skipif(
@@ -68,7 +69,7 @@ def test_matches_mlx_every_row_count(m, group_size, bits, each_isa):
     ref = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=group_size, bits=bits)
     for isa in each_isa:
         native._ext.set_isa(isa)
-        out = native.quantized_matmul(x, w, s, b, group_size, bits)
+        out = ops.quantized_matmul(x, w, s, b, group_size, bits)
         assert out.shape == ref.shape and out.dtype == ref.dtype
         assert rel_err(out, ref) < 2e-5, isa
 
@@ -79,7 +80,7 @@ def test_odd_shapes(n, k):
     w, s, b = quantized(n, k)
     x = mx.random.normal((5, k))
     ref = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4)
-    assert rel_err(native.quantized_matmul(x, w, s, b, 64), ref) < 2e-5
+    assert rel_err(ops.quantized_matmul(x, w, s, b, 64), ref) < 2e-5
 
 
 @needs_native
@@ -93,7 +94,7 @@ def test_dtypes(x_dtype, scale_dtype, bits, each_isa):
     want = truth(x, w, s, b, 64, bits)
     for isa in each_isa:
         native._ext.set_isa(isa)
-        out = native.quantized_matmul(x, w, s, b, 64, bits)
+        out = ops.quantized_matmul(x, w, s, b, 64, bits)
         assert out.dtype == expected  # promote_types(x, scales), as MLX does
         assert rel_err(out, want) < tol(out.dtype), isa
 
@@ -111,14 +112,14 @@ def test_non_contiguous_and_batched_inputs():
     }
     for name, x in cases.items():
         ref = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4)
-        out = native.quantized_matmul(x, w, s, b, 64)
+        out = ops.quantized_matmul(x, w, s, b, 64)
         assert out.shape == ref.shape, name
         assert rel_err(out, ref) < 2e-5, name
     # weights sliced out of a larger matrix (every other output row)
     w2, s2, b2 = quantized(96, 256, seed=1)
     x = mx.random.normal((2, 256))
     ref = mx.quantized_matmul(x, w2[::2], s2[::2], b2[::2], transpose=True, group_size=64, bits=4)
-    assert rel_err(native.quantized_matmul(x, w2[::2], s2[::2], b2[::2], 64), ref) < 2e-5
+    assert rel_err(ops.quantized_matmul(x, w2[::2], s2[::2], b2[::2], 64), ref) < 2e-5
 
 
 @needs_native
@@ -126,7 +127,7 @@ def test_inside_compile_and_lazy_graphs():
     w, s, b = quantized(64, 128)
 
     def layer(x):
-        return mx.maximum(native.quantized_matmul(x * 2.0, w, s, b, 64), 0.0) + 1.0
+        return mx.maximum(ops.quantized_matmul(x * 2.0, w, s, b, 64), 0.0) + 1.0
 
     x = mx.random.normal((3, 128))
     eager = layer(x)
@@ -138,7 +139,7 @@ def test_inside_compile_and_lazy_graphs():
         x = mx.random.normal((m, 128))
         assert rel_err(shapeless(x), layer(x)) < 1e-6
     # nothing evaluated yet: weights and x are both outputs of pending computations
-    lazy = native.quantized_matmul(mx.ones((2, 128)) * 0.5, w + 0, s * 1.0, b * 1.0, 64)
+    lazy = ops.quantized_matmul(mx.ones((2, 128)) * 0.5, w + 0, s * 1.0, b * 1.0, 64)
     ref = mx.quantized_matmul(mx.full((2, 128), 0.5), w, s, b, transpose=True, group_size=64)
     assert rel_err(lazy, ref) < 2e-5
 
@@ -150,12 +151,12 @@ def test_threads_agree():
     before = native.threads()
     try:
         native.set_threads(1)
-        one = native.quantized_matmul(x, w, s, b, 64)
+        one = ops.quantized_matmul(x, w, s, b, 64)
         mx.eval(one)
         for n in (3, 2, 3):  # fresh workers are handed work at once: no lost wake-ups
             native.set_threads(n)
             assert native.threads() == n
-            many = native.quantized_matmul(x, w, s, b, 64)
+            many = ops.quantized_matmul(x, w, s, b, 64)
             assert mx.array_equal(one, many).item()  # rows are split, sums are not: bit-equal
     finally:
         native.set_threads(before)
@@ -164,7 +165,7 @@ def test_threads_agree():
 @needs_native
 def test_empty_rows():
     w, s, b = quantized(8, 64)
-    out = native.quantized_matmul(mx.zeros((0, 64)), w, s, b, 64)
+    out = ops.quantized_matmul(mx.zeros((0, 64)), w, s, b, 64)
     assert out.shape == (0, 8)
 
 
@@ -183,21 +184,21 @@ def test_unsupported_calls_fall_back_to_mlx():
     x = mx.random.normal((3, 128))
     for bits in (2, 3, 5):  # (6 under float32 x: tests/test_native_int8.py)
         w, s, b = quantized(16, 128, bits=bits)
-        assert not native.supports(x, w, s, b, 64, bits)
+        assert not ops.supports(x, w, s, b, 64, bits)
         ref = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=bits)
-        assert mx.array_equal(native.quantized_matmul(x, w, s, b, 64, bits), ref).item()
+        assert mx.array_equal(ops.quantized_matmul(x, w, s, b, 64, bits), ref).item()
     w, s, b = quantized(16, 128)
-    assert not native.supports(x, w, s, None, 64, 4)  # no biases: not affine
-    assert not native.supports(x, w, s, b, 64, 4, mode="mxfp4")
-    assert not native.supports(x, w, s, b, 64, 4, transpose=False)
+    assert not ops.supports(x, w, s, None, 64, 4)  # no biases: not affine
+    assert not ops.supports(x, w, s, b, 64, 4, mode="mxfp4")
+    assert not ops.supports(x, w, s, b, 64, 4, transpose=False)
 
 
 def test_gpu_streams_fall_back(monkeypatch):
     w, s, b = quantized(16, 128)
     x = mx.random.normal((2, 128))
     monkeypatch.setattr(native.mx, "default_device", lambda: mx.gpu)
-    assert not native.supports(x, w, s, b, 64, 4)
-    assert native.patch_model(nn.QuantizedLinear(128, 16)) == 0
+    assert not ops.supports(x, w, s, b, 64, 4)
+    assert patch_model(nn.QuantizedLinear(128, 16)) == 0
 
 
 def test_unavailable_kernel_falls_back(monkeypatch):
@@ -206,8 +207,8 @@ def test_unavailable_kernel_falls_back(monkeypatch):
     w, s, b = quantized(16, 128)
     x = mx.random.normal((2, 128))
     ref = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4)
-    assert mx.array_equal(native.quantized_matmul(x, w, s, b, 64), ref).item()
-    assert native.patch_model(nn.QuantizedLinear(128, 16)) == 0
+    assert mx.array_equal(ops.quantized_matmul(x, w, s, b, 64), ref).item()
+    assert patch_model(nn.QuantizedLinear(128, 16)) == 0
     assert not native.available() and "not built" in native.describe()
 
 
@@ -251,7 +252,7 @@ def test_an_unknown_specmlx_isa_stops_model_preparation_in_one_line(value, monke
     assert native._ext.isa() == best
     monkeypatch.setattr(native, "_env_problem", problem)
     with pytest.raises(SpecmlxError, match="SPECMLX_ISA"):
-        native.patch_model(nn.QuantizedLinear(128, 16))
+        patch_model(nn.QuantizedLinear(128, 16))
 
 
 def test_a_specmlx_isa_above_the_cpus_best_names_the_best(monkeypatch):
@@ -274,9 +275,9 @@ def test_patch_model_keeps_outputs(quantized_tiny):
     plain, patched = quantized_tiny(), quantized_tiny()
     layers = [m for m in patched.module.modules() if isinstance(m, nn.QuantizedLinear)]
     embeds = [m for m in patched.module.modules() if isinstance(m, nn.QuantizedEmbedding)]
-    assert native.patch_model(patched.module) == len(layers) + len(embeds)
-    assert all(isinstance(m, native.NativeQuantizedLinear) for m in layers)
-    assert native.patch_model(patched.module) == 0  # already patched
+    assert patch_model(patched.module) == len(layers) + len(embeds)
+    assert all(isinstance(m, NativeQuantizedLinear) for m in layers)
+    assert patch_model(patched.module) == 0  # already patched
     tokens = mx.array([[1, 5, 9, 14, 3, 7]])
     assert rel_err(patched.module(tokens), plain.module(tokens)) < 1e-5
     run = specmlx.generate
@@ -289,9 +290,9 @@ def test_patch_model_keeps_outputs(quantized_tiny):
 def test_patch_model_skips_other_layers():
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64))
     nn.quantize(model, group_size=64, bits=3)
-    assert native.patch_model(model) == 0
+    assert patch_model(model) == 0
     embed = nn.QuantizedEmbedding(100, 64, group_size=64, bits=4)
-    assert native.patch_model(embed) == 1
+    assert patch_model(embed) == 1
     x = mx.random.normal((3, 64))
     ref = mx.quantized_matmul(
         x, embed["weight"], embed["scales"], embed["biases"], transpose=True, group_size=64
@@ -315,7 +316,7 @@ def test_load_patches_int4_models_on_cpu(quantized_tiny, model_dirs, tmp_path):
     mx.save_safetensors(str(tmp_path / "model.safetensors"), weights)
 
     def native_layers(m):
-        return sum(isinstance(x, native.NativeQuantizedLinear) for x in m.module.modules())
+        return sum(isinstance(x, NativeQuantizedLinear) for x in m.module.modules())
 
     assert native_layers(specmlx.load(tmp_path, native=False)) == 0
     assert native_layers(specmlx.load(tmp_path)) > 0
@@ -331,7 +332,7 @@ def test_softmax_is_the_exact_softmax_within_float32_rounding(size, each_isa):
     exact /= exact.sum(-1, keepdims=True)
     for isa in each_isa:
         native._ext.set_isa(isa)
-        out = native.softmax(x)
+        out = ops.softmax(x)
         assert out.shape == x.shape and out.dtype == mx.float32
         np.testing.assert_allclose(np.array(out, np.float64), exact, rtol=1e-5, atol=1e-30)
 
@@ -342,7 +343,7 @@ def test_softmax_gives_masked_tokens_exactly_zero(each_isa):
     x = mx.array([[2.0, -mx.inf, 0.5, -200.0] + [-mx.inf] * 13 + [1.0]])
     for isa in each_isa:
         native._ext.set_isa(isa)
-        out = native.softmax(x)[0].tolist()
+        out = ops.softmax(x)[0].tolist()
         assert [i for i, p in enumerate(out) if p == 0.0] == [1, 3] + list(range(4, 17)), isa
 
 
@@ -369,7 +370,7 @@ def test_softmax_on_masked_and_extreme_rows(size, forced_isa):
     x64 = x.astype(np.float64)
     exact = np.exp(x64 - x64.max(-1, keepdims=True))
     exact /= exact.sum(-1, keepdims=True)
-    out = np.array(native.softmax(mx.array(x)), np.float64)
+    out = np.array(ops.softmax(mx.array(x)), np.float64)
     assert not np.isnan(out).any()
     # the same tolerance as the Gaussian rows above; atol only for denormal outputs
     np.testing.assert_allclose(out, exact, rtol=1e-5, atol=1e-30)
@@ -388,9 +389,9 @@ def test_softmax_avx2_is_close_to_avx512(size):
     x = x.astype(mx.float32)
     try:
         native._ext.set_isa("avx2")
-        avx2 = np.array(native.softmax(x))
+        avx2 = np.array(ops.softmax(x))
         native._ext.set_isa("avx512")
-        avx512 = np.array(native.softmax(x))
+        avx512 = np.array(ops.softmax(x))
     finally:
         native._ext.set_isa(best)
     np.testing.assert_allclose(avx2, avx512, rtol=1e-6, atol=1e-37)
@@ -399,7 +400,7 @@ def test_softmax_avx2_is_close_to_avx512(size):
 
 @needs_native
 def test_softmax_inside_compile_on_a_lazy_input():
-    fn = mx.compile(lambda logits: native.softmax(logits / 0.7) * 2.0)
+    fn = mx.compile(lambda logits: ops.softmax(logits / 0.7) * 2.0)
     x = mx.random.normal((2, 300)) + 1.0  # not evaluated yet
     assert mx.allclose(fn(x), mx.softmax(x / 0.7, axis=-1) * 2.0, rtol=2e-6).item()
 
@@ -407,9 +408,9 @@ def test_softmax_inside_compile_on_a_lazy_input():
 def test_softmax_falls_back_to_mlx(monkeypatch):
     x = mx.random.normal((2, 50))
     for dtype in (mx.float16, mx.bfloat16):  # the kernel takes float32 only
-        assert mx.array_equal(native.softmax(x.astype(dtype)), mx.softmax(x.astype(dtype), axis=-1))
+        assert mx.array_equal(ops.softmax(x.astype(dtype)), mx.softmax(x.astype(dtype), axis=-1))
     monkeypatch.setattr(native, "_ext", None)
-    assert mx.array_equal(native.softmax(x), mx.softmax(x, axis=-1)).item()
+    assert mx.array_equal(ops.softmax(x), mx.softmax(x, axis=-1)).item()
 
 
 @needs_native
@@ -433,6 +434,6 @@ def test_a_bias_on_a_half_product_is_refused_and_the_layer_adds_it_apart():
         native._ext.quantized_matmul(x, w, scales, biases, 64, 4, bias)
     layer = nn.QuantizedLinear(128, 96, bias=True, group_size=64, bits=4)
     layer.update({"weight": w, "scales": scales, "biases": biases, "bias": bias})
-    native.patch_model(layer)
+    patch_model(layer)
     want = native._ext.quantized_matmul(x, w, scales, biases, 64, 4) + bias
     assert mx.array_equal(layer(x), want)

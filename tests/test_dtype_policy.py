@@ -8,7 +8,7 @@ import pytest
 
 import specmlx
 from specmlx.convert.quantize import quantize
-from specmlx.cpu import native as kernel
+from specmlx.cpu import native, quantized
 from specmlx.loading import backend
 
 PROMPT = [5, 17, 42, 99, 7, 123]
@@ -25,18 +25,18 @@ def bf16_int4(model_dirs, tmp_path_factory):
 def floating_dtypes(model, skip_native_halves=False):
     """The floating dtypes among the model's parameters; with `skip_native_halves`, not
     counting the scales and biases of layers on the native kernel, which it widens to
-    float32 exactly as it reads them (kept as stored: native.keep_stored_halves)."""
+    float32 exactly as it reads them (kept as stored: quantized.keep_stored_halves)."""
     from mlx.utils import tree_flatten
 
     native_layers = {
         path
         for path, layer in model.module.named_modules()
-        if isinstance(layer, (kernel.NativeQuantizedLinear, kernel.NativeQuantizedEmbedding))
+        if isinstance(layer, (quantized.NativeQuantizedLinear, quantized.NativeQuantizedEmbedding))
     }
 
     def on_native(name: str) -> bool:
         path, _, leaf = name.rpartition(".")
-        return leaf in kernel.HALF_IN_PLACE and path in native_layers
+        return leaf in quantized.HALF_IN_PLACE and path in native_layers
 
     return {
         v.dtype
@@ -49,7 +49,7 @@ def test_on_the_cpu_auto_runs_a_bf16_checkpoint_in_float32(bf16_int4):
     assert backend() == "cpu"
     model = specmlx.load(bf16_int4)
     assert model.dtype == "float32"
-    assert floating_dtypes(model, skip_native_halves=kernel.available()) == {mx.float32}
+    assert floating_dtypes(model, skip_native_halves=native.available()) == {mx.float32}
 
 
 def test_an_explicit_dtype_keeps_the_checkpoint_precision(bf16_int4):

@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from specmlx.cpu import native
+from specmlx.cpu import native, ops
 
 pytestmark = pytest.mark.skipif(
     not native.available(), reason=f"native kernel not available: {native.reason()}"
@@ -42,7 +42,7 @@ def quantized(n, k, group_size, dtype, seed=1):
 
 def matmul(x, w, s, b, group_size, amx):
     native._ext.set_amx(amx)
-    out = native.quantized_matmul(x, w, s, b, group_size, 4)
+    out = ops.quantized_matmul(x, w, s, b, group_size, 4)
     mx.eval(out)  # the switch is read when the matmul is evaluated
     return np.array(out.astype(mx.float32))
 

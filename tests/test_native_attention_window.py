@@ -10,9 +10,10 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 import specmlx
+from specmlx import exactness
 from specmlx.caches import checkpoint, make_cache, prefill, rewind
 from specmlx.convert.quantize import quantize
-from specmlx.cpu import attention, native
+from specmlx.cpu import attention, native, quantized
 from specmlx.tiny import build_tiny_model
 
 pytestmark = pytest.mark.skipif(
@@ -154,7 +155,7 @@ def test_a_k_token_pass_equals_k_steps_on_window_models(arch, tmp_path):
     # bench/row_exactness.py's check: the prompt (past the tiny window of 16) prefilled,
     # then tokens as one pass and as steps from the same cache, for every k a verify takes
     model = specmlx.load(build_tiny_model(tmp_path / arch, arch=arch, seed=0))
-    assert native.rows_exact(model.module, attention.windows_exact(model.module))
+    assert exactness.rows_exact(model.module, exactness.windows_exact(model.module))
     cache = make_cache(model.module)
     assert RotatingKVCache in {type(c) for c in cache}
     prefill(model, cache, model.tokenizer.encode(PROMPT))
@@ -179,8 +180,8 @@ def test_a_quantized_gemma3_keeps_int8_activations_only_on_native_attention(
     attention.set_mode(attention_mode)
     try:
         model = specmlx.load(tmp_path / "int4")
-        assert native.runs_int4(model.module)
-        assert attention.windows_exact(model.module) == (attention_mode == "native")
+        assert quantized.runs_int4(model.module)
+        assert exactness.windows_exact(model.module) == (attention_mode == "native")
         assert native.activations() == activations
     finally:
         attention.set_mode("native")

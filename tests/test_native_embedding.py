@@ -5,7 +5,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from specmlx.cpu import native
+from specmlx.cpu import native, quantized
 
 pytestmark = pytest.mark.skipif(
     not hasattr(native._ext, "quantized_rows"), reason=f"not available: {native.reason()}"
@@ -44,9 +44,9 @@ def test_an_id_past_the_table_reads_nothing_outside_it():
 def test_a_quantized_models_lookup_is_one_op(quantized_tiny, monkeypatch):
     model = quantized_tiny()
     plain = np.array(model.module.model.embed_tokens(mx.array([[1, 2, 3]])))
-    native.patch_model(model.module)
+    quantized.patch_model(model.module)
     embed = model.module.model.embed_tokens
-    assert isinstance(embed, native.NativeQuantizedEmbedding)
+    assert isinstance(embed, quantized.NativeQuantizedEmbedding)
     calls = []
     real = native._ext.quantized_rows
     monkeypatch.setattr(native._ext, "quantized_rows", lambda *a: calls.append(1) or real(*a))

@@ -7,7 +7,7 @@ import pytest
 import specmlx
 from specmlx import loading
 from specmlx.convert.quantize import quantize
-from specmlx.cpu import native
+from specmlx.cpu import native, ops, quantized
 
 pytestmark = pytest.mark.skipif(
     not native.available(), reason=f"native kernel not available: {native.reason()}"
@@ -36,8 +36,8 @@ def test_half_scales_give_the_float32_scales_result_bitwise(
         native._ext.set_isa(isa)
         for m in (1, 3, 9):  # one tile, a partial tile, more than one tile
             x = mx.random.normal((m, 384), key=mx.random.key(m))
-            got = native.quantized_matmul(x, w, *halves, group_size, bits)
-            want = native.quantized_matmul(x, w, *widened, group_size, bits)
+            got = ops.quantized_matmul(x, w, *halves, group_size, bits)
+            want = ops.quantized_matmul(x, w, *widened, group_size, bits)
             assert got.dtype == mx.float32
             assert mx.array_equal(got, want).item(), (isa, m)
 
@@ -55,7 +55,7 @@ def linear_params(model, name):
     return [
         layer[name]
         for _, layer in model.module.named_modules()
-        if isinstance(layer, native.NativeQuantizedLinear) and name in layer
+        if isinstance(layer, quantized.NativeQuantizedLinear) and name in layer
     ]
 
 
@@ -79,7 +79,7 @@ def test_kept_fp16_scales_decode_what_widened_ones_do(fp16_int4_model, monkeypat
     from specmlx.engine import encode_prompt, generate
 
     kept = specmlx.load(fp16_int4_model, lazy=False)
-    monkeypatch.setattr(native, "keep_stored_halves", lambda module, stored: 0)
+    monkeypatch.setattr(quantized, "keep_stored_halves", lambda module, stored: 0)
     widened = specmlx.load(fp16_int4_model, lazy=False)
     assert all(p.dtype == mx.float32 for p in linear_params(widened, "scales"))
     ids = encode_prompt(kept, "def fibonacci(n):")

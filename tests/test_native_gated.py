@@ -5,7 +5,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from specmlx.cpu import native
+from specmlx.cpu import mlp, native, quantized
 
 needs_gated = pytest.mark.skipif(
     getattr(native._ext, "gated_matmul", None) is None,
@@ -22,7 +22,7 @@ def layers(n=200, k=256, group_size=64, bits=4, dtype=mx.float32, seed=0):
         layer.update(
             {"scales": layer["scales"].astype(dtype), "biases": layer["biases"].astype(dtype)}
         )
-        native.patch_model(layer)
+        quantized.patch_model(layer)
         out.append(layer)
     return out
 
@@ -34,8 +34,8 @@ def layers(n=200, k=256, group_size=64, bits=4, dtype=mx.float32, seed=0):
 def test_is_mlx_activation_of_the_kernels_products(m, bits, activation, forced_isa, activations):
     gate, up = layers(bits=bits)
     x = mx.random.normal((1, m, 256)) * 4
-    want = native.GATE_ACTIVATIONS[activation](gate(x)) * up(x)
-    got = native.gated_matmul(x, gate, up, activation)
+    want = mlp.GATE_ACTIVATIONS[activation](gate(x)) * up(x)
+    got = mlp.gated_matmul(x, gate, up, activation)
     # Only the activation's rounding differs (a vector exp against MLX's sigmoid or tanh).
     assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()
 
@@ -45,9 +45,9 @@ def test_is_mlx_activation_of_the_kernels_products(m, bits, activation, forced_i
 def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(activation, forced_isa, activations):
     gate, up = layers()
     x = mx.random.normal((1, 9, 256))
-    together = native.gated_matmul(x, gate, up, activation)
+    together = mlp.gated_matmul(x, gate, up, activation)
     for i in range(9):
-        alone = native.gated_matmul(x[:, i : i + 1], gate, up, activation)
+        alone = mlp.gated_matmul(x[:, i : i + 1], gate, up, activation)
         assert mx.array_equal(alone, together[:, i : i + 1])
 
 
@@ -57,10 +57,10 @@ def test_avx2_and_avx512_agree_to_the_bit():
         pytest.skip("needs AVX-512 to compare with")
     gate, up = layers(n=1000)
     x = mx.random.normal((1, 3, 256)) * 8  # large |g|: both tails of the sigmoid
-    wide = [native.gated_matmul(x, gate, up, a) for a in native.GATE_ACTIVATIONS]
+    wide = [mlp.gated_matmul(x, gate, up, a) for a in mlp.GATE_ACTIVATIONS]
     native._ext.set_isa("avx2")
     try:
-        narrow = [native.gated_matmul(x, gate, up, a) for a in native.GATE_ACTIVATIONS]
+        narrow = [mlp.gated_matmul(x, gate, up, a) for a in mlp.GATE_ACTIVATIONS]
         assert all(mx.array_equal(a, b) for a, b in zip(narrow, wide, strict=True))
     finally:
         native._ext.set_isa("avx512")
@@ -71,7 +71,7 @@ def test_avx2_and_avx512_agree_to_the_bit():
 def test_half_inputs_and_scales(dtype):
     gate, up = layers(dtype=dtype)
     x = mx.random.normal((1, 3, 256)).astype(dtype)
-    got = native.gated_matmul(x, gate, up)
+    got = mlp.gated_matmul(x, gate, up)
     want = nn.silu(gate(x).astype(mx.float32)) * up(x).astype(mx.float32)
     assert got.dtype == dtype
     assert mx.allclose(got.astype(mx.float32), want, rtol=1e-2, atol=1e-2).item()
@@ -84,17 +84,17 @@ def test_layers_the_op_cannot_pair_take_the_two_matmuls():
     plain = nn.QuantizedLinear(256, 200, bias=False, group_size=64, bits=4)  # not on the kernel
     x = mx.random.normal((1, 2, 256))
     for other in (up, plain):
-        assert mx.array_equal(native.gated_matmul(x, gate, other), nn.silu(gate(x)) * other(x))
+        assert mx.array_equal(mlp.gated_matmul(x, gate, other), nn.silu(gate(x)) * other(x))
 
 
 def test_mlx_lm_gated_mlps_are_recognised_with_their_activation():
     from mlx_lm.models import gemma3_text, llama, qwen2, qwen3, starcoder2
 
-    assert native._gated_activation(llama.MLP) == "silu"  # nn.silu(gate) * up
-    assert native._gated_activation(qwen2.MLP) == "silu"  # swiglu(gate, up)
-    assert native._gated_activation(qwen3.MLP) == "silu"
-    assert native._gated_activation(gemma3_text.MLP) == "gelu_approx"
-    assert native._gated_activation(starcoder2.MLP) is None  # not gated
+    assert mlp._gated_activation(llama.MLP) == "silu"  # nn.silu(gate) * up
+    assert mlp._gated_activation(qwen2.MLP) == "silu"  # swiglu(gate, up)
+    assert mlp._gated_activation(qwen3.MLP) == "silu"
+    assert mlp._gated_activation(gemma3_text.MLP) == "gelu_approx"
+    assert mlp._gated_activation(starcoder2.MLP) is None  # not gated
 
 
 def test_a_variant_of_the_body_is_not_recognised():
@@ -108,19 +108,19 @@ def test_a_variant_of_the_body_is_not_recognised():
         def __call__(self, x):
             return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x)) * 2
 
-    assert native._gated_activation(Clamped) is None
-    assert native._gated_activation(Scaled) is None
+    assert mlp._gated_activation(Clamped) is None
+    assert mlp._gated_activation(Scaled) is None
 
 
 @needs_gated
 def test_load_gives_a_quantized_qwen2_the_gated_op(quantized_tiny):
     plain, patched = quantized_tiny(), quantized_tiny()
-    native.patch_model(patched.module)
+    quantized.patch_model(patched.module)
     mlps = [m for m in patched.module.modules() if "gate_proj" in m]
-    assert native.patch_mlps(patched.module) == len(mlps) > 0
-    assert all(isinstance(m, native._GatedMLP) for m in mlps)
-    assert native.patch_mlps(patched.module) == 0  # already patched
+    assert mlp.patch_mlps(patched.module) == len(mlps) > 0
+    assert all(isinstance(m, mlp._GatedMLP) for m in mlps)
+    assert mlp.patch_mlps(patched.module) == 0  # already patched
     tokens = mx.array([[1, 5, 9, 14, 3, 7]])
-    native.patch_model(plain.module)  # the same matmuls, MLX's silu
+    quantized.patch_model(plain.module)  # the same matmuls, MLX's silu
     a, b = patched.module(tokens), plain.module(tokens)
     assert (mx.abs(a - b).max() / mx.abs(b).max()).item() < 1e-4

@@ -9,7 +9,8 @@ import pytest
 
 import specmlx
 from specmlx.convert.quantize import quantize
-from specmlx.cpu import native
+from specmlx.cpu import native, ops
+from specmlx.cpu.quantized import patch_model
 from specmlx.errors import SpecmlxError
 
 pytestmark = pytest.mark.skipif(
@@ -28,7 +29,7 @@ def quantized(n, k, group_size=64, bits=4, dtype=mx.float32, seed=0):
 def int8_matmul(x, w, s, b, group_size, isa, bits=4):
     native._ext.set_isa(isa)
     native.set_activations("int8")
-    out = native.quantized_matmul(x, w, s, b, group_size, bits)
+    out = ops.quantized_matmul(x, w, s, b, group_size, bits)
     mx.eval(out)  # now: the mode and the ISA are read when the matmul is evaluated
     return out
 
@@ -178,12 +179,12 @@ def test_each_mode_is_selectable(bits, isas):
     ref = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=bits)
     native.set_activations("float32")
     assert native.activations() == "float32" and "float32 activations" in native.describe()
-    fp32 = native.quantized_matmul(x, w, s, b, 64, bits)
+    fp32 = ops.quantized_matmul(x, w, s, b, 64, bits)
     mx.eval(fp32)  # the mode is read when the matmul is evaluated
     assert rel_err(fp32, ref) < 2e-5
     native.set_activations("int8")
     assert native.activations() == "int8" and "int8 activations" in native.describe()
-    int8 = native.quantized_matmul(x, w, s, b, 64, bits)
+    int8 = ops.quantized_matmul(x, w, s, b, 64, bits)
     mx.eval(int8)
     assert rel_err(int8, emulated(x, w, s, b, 64, bits)) < 2e-5
     assert not mx.array_equal(int8, fp32).item()
@@ -211,7 +212,7 @@ def test_six_bit_codes_widen_alike_with_and_without_vbmi(group_size, scale_dtype
                 native._ext.set_vbmi(on)
                 assert ("vbmi" in native._ext.q8_kernel()) == on
                 for m in (1, 2, 9):
-                    out = native.quantized_matmul(x[:m], w, s, b, group_size, 6)
+                    out = ops.quantized_matmul(x[:m], w, s, b, group_size, 6)
                     mx.eval(out)  # the switch is read when the matmul is evaluated
                     products.append(np.array(out.astype(mx.float32)))
             half = len(products) // 2
@@ -227,13 +228,13 @@ def test_six_bit_products_run_on_int8_x_only(isas):
     w, s, b = quantized(48, 512, bits=6)
     x = mx.random.normal((3, 512))
     native.set_activations("float32")
-    assert not native.supports(x, w, s, b, 64, 6)
+    assert not ops.supports(x, w, s, b, 64, 6)
     with pytest.raises(ValueError, match="6-bit weights take int8 activations"):
         native._ext.quantized_matmul(x, w, s, b, 64, 6)
     ref = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=6)
-    assert mx.array_equal(native.quantized_matmul(x, w, s, b, 64, 6), ref).item()
+    assert mx.array_equal(ops.quantized_matmul(x, w, s, b, 64, 6), ref).item()
     native.set_activations("int8")
-    assert native.supports(x, w, s, b, 64, 6)
+    assert ops.supports(x, w, s, b, 64, 6)
 
 
 def test_env_var_chooses_the_mode(monkeypatch):
@@ -250,7 +251,7 @@ def test_env_var_chooses_the_mode(monkeypatch):
 def test_a_bad_env_var_stops_model_preparation(monkeypatch):
     monkeypatch.setattr(native, "_env_problem", "SPECMLX_ACTIVATIONS must be one of ...")
     with pytest.raises(SpecmlxError, match="SPECMLX_ACTIVATIONS"):
-        native.patch_model(nn.QuantizedLinear(128, 16))
+        patch_model(nn.QuantizedLinear(128, 16))
 
 
 @pytest.fixture(scope="module", params=[8, 6], ids=["8-bit head", "6-bit head"])

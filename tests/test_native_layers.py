@@ -9,7 +9,7 @@ import pytest
 from specmlx.cpu import layers, native
 
 needs_ops = pytest.mark.skipif(
-    layers._ext_op("rope") is None,
+    native.op("rope") is None,
     reason=f"native kernel not available: {native.reason() or 'a build without rope'}",
 )
 

@@ -1,4 +1,4 @@
-"""The packed layout of 4-bit weights (native.pack_layers): the four-row tiles (AVX-512 VNNI
+"""The packed layout of 4-bit weights (packing.pack_layers): the four-row tiles (AVX-512 VNNI
 and AVX2) stream each tile's codes, scales and biases from one buffer, and every product
 they give is bitwise the one they give from the separate arrays, and each other's."""
 
@@ -9,7 +9,7 @@ import pytest
 
 import specmlx
 from specmlx.convert.quantize import quantize
-from specmlx.cpu import native
+from specmlx.cpu import native, packing
 
 pytestmark = pytest.mark.skipif(
     not native.available() or not native._ext.reads_packed(),
@@ -107,7 +107,7 @@ def test_a_loaded_model_is_packed_and_decodes_as_unpacked(
     # greedy tokens exactly those of the same model unpacked
     quantize(model_dirs["target"], tmp_path / "int4", group_size=32, dtype="float32")
     packed = specmlx.load(tmp_path / "int4")
-    monkeypatch.setenv(native.ENV_PACK, "0")
+    monkeypatch.setenv(packing.ENV_PACK, "0")
     plain = specmlx.load(tmp_path / "int4")
     count = [
         sum(getattr(m, "packed_tiles", None) is not None for m in model.module.modules())

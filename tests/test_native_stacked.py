@@ -5,7 +5,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from specmlx.cpu import native
+from specmlx.cpu import native, qkv, quantized
 
 needs_stacked = pytest.mark.skipif(
     getattr(native._ext, "stacked_matmul", None) is None,
@@ -22,7 +22,7 @@ def projections(sizes=(256, 64, 64), k=128, bias=True, dtype=mx.float32, bits=4,
         layer.update({name: layer[name].astype(dtype) for name in ("scales", "biases")})
         if bias:
             layer.update({"bias": mx.random.normal((n,)).astype(dtype)})
-        native.patch_model(layer)
+        quantized.patch_model(layer)
         out.append(layer)
     return out
 
@@ -73,10 +73,10 @@ def test_matrices_of_different_k_or_scale_types_are_refused():
 def test_mlx_lm_attentions_that_make_q_k_v_in_one_line_are_recognised():
     from mlx_lm.models import gemma3_text, llama, qwen2, qwen3
 
-    assert native._projects_qkv(llama.Attention)
-    assert native._projects_qkv(qwen2.Attention)
-    assert native._projects_qkv(qwen3.Attention)
-    assert native._projects_qkv(gemma3_text.Attention)
+    assert qkv._projects_qkv(llama.Attention)
+    assert qkv._projects_qkv(qwen2.Attention)
+    assert qkv._projects_qkv(qwen3.Attention)
+    assert qkv._projects_qkv(gemma3_text.Attention)
 
 
 def test_an_attention_that_projects_other_inputs_is_not_recognised():
@@ -87,7 +87,7 @@ def test_an_attention_that_projects_other_inputs_is_not_recognised():
             queries, keys, values = self.q_proj(x), self.k_proj(mask), self.v_proj(mask)
             return queries + keys + values
 
-    assert not native._projects_qkv(Cross)
+    assert not qkv._projects_qkv(Cross)
 
 
 @needs_stacked
@@ -96,11 +96,11 @@ def test_load_stacks_a_quantized_qwen2s_projections_without_changing_its_logits(
 ):
     plain, stacked_model = quantized_tiny(), quantized_tiny()
     for model in (plain, stacked_model):
-        native.patch_model(model.module)
+        quantized.patch_model(model.module)
     attentions = [m for m in stacked_model.module.modules() if "q_proj" in m]
-    assert native.patch_projections(stacked_model.module) == len(attentions) > 0
-    assert all(isinstance(a.k_proj, native.NativeStackedLinear) for a in attentions)
-    assert native.patch_projections(stacked_model.module) == 0  # already stacked
+    assert qkv.patch_projections(stacked_model.module) == len(attentions) > 0
+    assert all(isinstance(a.k_proj, qkv.NativeStackedLinear) for a in attentions)
+    assert qkv.patch_projections(stacked_model.module) == 0  # already stacked
     tokens = mx.array([[1, 5, 9, 14, 3, 7]])
     assert mx.array_equal(stacked_model.module(tokens), plain.module(tokens))
 
@@ -108,9 +108,9 @@ def test_load_stacks_a_quantized_qwen2s_projections_without_changing_its_logits(
 @needs_stacked
 def test_a_projection_called_with_another_x_computes_its_own_product():
     layers = projections()
-    stack = native._Stack(layers)
+    stack = qkv._Stack(layers)
     for slot, layer in enumerate(layers):
-        layer.__class__ = native.NativeStackedLinear
+        layer.__class__ = qkv.NativeStackedLinear
         layer._stack, layer._slot = stack, slot
     plain = projections()  # the same layers (one seed), not stacked
     x, y = mx.random.normal((1, 2, 128)), mx.random.normal((1, 2, 128))

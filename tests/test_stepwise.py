@@ -13,9 +13,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache
 
 import specmlx
-from specmlx import stepwise
+from specmlx import exactness, stepwise
 from specmlx.caches import checkpoint, layers, make_cache, prefill, rewind
-from specmlx.cpu import native
+from specmlx.cpu import native, quantized
 from specmlx.mlxlm import model_classes
 from specmlx.settings import MAX_GAMMA
 
@@ -128,10 +128,10 @@ def test_a_prompt_prefill_keeps_mlx_lms_chunked_form(arch, tiny_pair):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_rows_exact_says_exact_only_while_the_mixers_step(arch, tiny_pair):
     model = specmlx.load(tiny_pair(arch)[0])
-    assert native.rows_exact(model.module)
+    assert exactness.rows_exact(model.module)
     stepwise.set_enabled(False)
     try:
-        assert not native.rows_exact(model.module)
+        assert not exactness.rows_exact(model.module)
     finally:
         stepwise.set_enabled(True)
 
@@ -167,7 +167,7 @@ def quantize_int4(source, dest, bits: int = 4):
     return dest
 
 
-@pytest.mark.parametrize("arch", [*ARCHS, *native.RECURRENT_EXACT])
+@pytest.mark.parametrize("arch", [*ARCHS, *exactness.RECURRENT_EXACT])
 def test_int4_models_keep_int8_activations_and_speculate_exactly(
     arch, tiny_pair, int8_activations, tmp_path
 ):
@@ -176,8 +176,8 @@ def test_int4_models_keep_int8_activations_and_speculate_exactly(
         models.append(specmlx.load(quantize_int4(source, tmp_path / name)))
         models[-1].tokenizer.eos_token_ids = set()
     target, draft = models
-    assert native.runs_int4(target.module)
-    assert native.activations() == "int8"  # keep_exact found its passes exact
+    assert quantized.runs_int4(target.module)
+    assert native.activations() == "int8"  # prepare found its passes exact
     (one, one_state), (steps, steps_state) = one_pass_and_steps(target, list(range(5, 14)))
     assert mx.array_equal(one, steps).item()
     assert bitwise_equal(one_state, steps_state)
@@ -201,7 +201,7 @@ def test_six_bit_layers_stay_on_mlx_where_passes_are_not_exact(
     target, draft = models
     assert native.activations() == "float32"
     six = [m for m in target.module.modules() if getattr(m, "bits", None) == 6]
-    assert six and not any(isinstance(m, native.NativeQuantizedLinear) for m in six)
+    assert six and not any(isinstance(m, quantized.NativeQuantizedLinear) for m in six)
     ids = target.tokenizer.encode(PROMPT)
     alone = specmlx.generate(target, ids, max_tokens=N, num_draft=0).run().tokens
     gen = specmlx.generate(target, ids, draft=draft, max_tokens=N, num_draft=3).run()

@@ -2,12 +2,12 @@
 model's modules by one that runs specmlx's native op where it applies and mlx-lm's own
 everywhere else.
 
-MLX's CPU `fast.scaled_dot_product_attention` spends ~1 ms a layer at Qwen2.5-1.5B's
-decode shape over a 1000-token cache, several times what reading its keys and values
-takes. The native op (specmlx/cpu/_native/attention.cpp, figures in its README) reads a KV
-head once for every query row that uses it, and gives each query row the same bits
-whatever rows run beside it: a verify pass over k tokens gives each position what a
-one-token step gives it, which speculative greedy decoding relies on.
+MLX's CPU `fast.scaled_dot_product_attention` takes several times what reading a layer's
+keys and values takes at decode shapes (bench/results/attention.md). The native op
+(specmlx/cpu/_native/attention.cpp, see its README's "Attention") reads a KV head once
+for every query row that uses it, and gives each query row the same bits whatever rows
+run beside it: a verify pass over k tokens gives each position what a one-token step
+gives it, which speculative greedy decoding relies on.
 
 It applies to float32 queries, keys and values on a CPU stream, head sizes that are
 multiples of 16 up to 512, with or without attention sinks (gpt-oss), on caches that keep
@@ -49,6 +49,7 @@ from mlx_lm.models.cache import ConcatenateKVCache, KVCache, RotatingKVCache
 from ..errors import SpecmlxError
 from . import native
 from .layers import NativeRoPE
+from .source_match import call_body, mixed_class
 
 MODES = ("native", "mlx")
 ENV = "SPECMLX_ATTENTION"
@@ -82,7 +83,7 @@ _mode, _env_problem = _env_mode()
 
 def available() -> bool:
     """Whether the native extension has the attention op."""
-    return hasattr(native._ext, "scaled_dot_product_attention")
+    return native.op("scaled_dot_product_attention") is not None
 
 
 def mode() -> str:
@@ -206,27 +207,6 @@ def scaled_dot_product_attention(
     return mlx_attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
-def windows_exact(module: nn.Module) -> bool:
-    """Whether `module`'s sliding-window layers give each row of a pass over k tokens the
-    bits a one-token step gives it: they run on the native op (this mode, head sizes it
-    takes, windows that keep no positions). Asked at load, for int8 activations
-    (specmlx.cpu.native.rows_exact): switching to 'mlx' afterwards brings the windows'
-    last-bit residue back."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from ..caches import layers
-
-    heads = {getattr(m, "head_dim", None) for m in module.modules() if hasattr(m, "head_dim")}
-    windows = [c for c in layers(make_prompt_cache(module)) if type(c) is RotatingKVCache]
-    return (
-        mode() == "native"
-        and mx.default_device() == mx.cpu
-        and bool(heads)
-        and all(head_dim_ok(d) for d in heads)
-        and all(c.keep == 0 for c in windows)
-    )
-
-
 def patch_model(module: nn.Module) -> bool:
     """Point the mlx-lm modules that define this model's layers (e.g. mlx_lm.models.qwen2)
     at the function above; whether the model's attention now goes through it. Patching
@@ -278,13 +258,13 @@ _CACHE_REFS = 3
 
 def cached_available() -> bool:
     """Whether the native extension has the fused cached-attention op."""
-    return hasattr(native._ext, "cached_attention")
+    return native.op("cached_attention") is not None
 
 
 def _has_cached_body(cls: type) -> bool:
     """Whether cls.__call__ is (self, x, mask=None, cache=None) with CACHED_BODY, calling
     mlx-lm's attention function (or this module's)."""
-    body = native.call_body(cls, ["self", "x", "mask", "cache"])
+    body = call_body(cls, ["self", "x", "mask", "cache"])
     if body != [ast.dump(stmt) for stmt in ast.parse(CACHED_BODY).body]:
         return False
     function = cls.__call__.__globals__.get("scaled_dot_product_attention")
@@ -385,7 +365,7 @@ _cached_classes: dict[type, type | None] = {}
 
 def _cached_class(cls: type) -> type | None:
     """cls with _CachedAttention mixed in, or None where its __call__ is not CACHED_BODY."""
-    return native.mixed_class(_cached_classes, cls, _CachedAttention, "NativeCached", _cached_attrs)
+    return mixed_class(_cached_classes, cls, _CachedAttention, "NativeCached", _cached_attrs)
 
 
 def _cached_attrs(cls: type) -> dict | None:

@@ -3,14 +3,14 @@
 With its attention, MLP, norms and projections already native, a 1.5B decode step was
 still ~9 graph nodes a layer (two norms, the stacked q/k/v product, the cached attention,
 o, the gated product, down, two residual adds), and a node costs the Python thread and
-MLX's dispatch ~16 us whatever its size: ~4 ms a step, on two cores taken from the
-kernel's threads (bench/results/README.md). A layer whose block is mlx-lm's plain pre-norm
-one (BLOCK_BODY: Llama, Qwen2 and ~45 more files) and whose parts are all the native ones
-(an attention with CACHED_BODY, a gated MLP, nn.RMSNorm norms, projections on the kernel of
-one group size and bits, a bias on q, k and v or on none, none on o, gate, up and down)
-runs its step as `decoder_layer`: one node, whose output and caches are bitwise those of
-the nine (the same functions on the same values, in the same order). A call the op does
-not take (see attention.cache_room) runs the block's own code.
+MLX's dispatch the same whatever its size, time the kernel's threads wait through (see
+bench/results/ARCHIVE.md, "a decoder layer as one op"). A layer whose block is mlx-lm's
+plain pre-norm one (BLOCK_BODY: Llama, Qwen2 and ~45 more files) and whose parts are all
+the native ones (an attention with CACHED_BODY, a gated MLP, nn.RMSNorm norms, projections
+on the kernel of one group size and bits, a bias on q, k and v or on none, none on o,
+gate, up and down) runs its step as `decoder_layer`: one node, whose output and caches are
+bitwise those of the nine (the same functions on the same values, in the same order). A
+call the op does not take (see attention.cache_room) runs the block's own code.
 """
 
 from __future__ import annotations
@@ -22,6 +22,10 @@ import mlx.nn as nn
 
 from . import attention, native
 from .layers import NativeRMSNorm
+from .mlp import _GatedMLP
+from .packing import packed_of
+from .quantized import NativeQuantizedLinear
+from .source_match import call_body, mixed_class
 
 # The body of mlx-lm's pre-norm block __call__(self, x, mask=None, cache=None). Kept here
 # verbatim, not read from mlx-lm, so that a change to mlx-lm's code can only turn the fused
@@ -45,7 +49,7 @@ def set_enabled(on: bool) -> None:
 
 def available() -> bool:
     """Whether the native extension has the fused decoder-layer op."""
-    return hasattr(native._ext, "decoder_layer")
+    return native.op("decoder_layer") is not None
 
 
 def describe() -> str:
@@ -54,21 +58,21 @@ def describe() -> str:
 
 
 def _has_block_body(cls: type) -> bool:
-    body = native.call_body(cls, ["self", "x", "mask", "cache"])
+    body = call_body(cls, ["self", "x", "mask", "cache"])
     return body == [ast.dump(stmt) for stmt in ast.parse(BLOCK_BODY).body]
 
 
 def _linears(block: nn.Module) -> list[nn.Module] | None:
     """q, k, v, o, gate, up and down where the parts are the native ones, else None."""
     attn, mlp = block.self_attn, block.mlp
-    if not (isinstance(attn, attention._CachedAttention) and isinstance(mlp, native._GatedMLP)):
+    if not (isinstance(attn, attention._CachedAttention) and isinstance(mlp, _GatedMLP)):
         return None
     if not (type(block.input_layernorm) is type(block.post_attention_layernorm) is NativeRMSNorm):
         return None
     layers = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj]
     layers.append(mlp.down_proj)
     kind = (layers[0].bits, layers[0].group_size, "affine")
-    if not all(isinstance(layer, native.NativeQuantizedLinear) for layer in layers):
+    if not all(isinstance(layer, NativeQuantizedLinear) for layer in layers):
         return None
     if any((layer.bits, layer.group_size, layer.mode) != kind for layer in layers):
         return None
@@ -134,7 +138,7 @@ def _fused_call(block: nn.Module, x: mx.array, mask: object, cache: object) -> m
         attn.scale,
         mask is not None,
         reuse,
-        native.packed_of(layers),
+        packed_of(layers),
     )
     cache.offset += x.shape[1]
     return out
@@ -154,7 +158,7 @@ _fused_classes: dict[type, type | None] = {}
 
 def _fused_class(cls: type) -> type | None:
     """cls with _FusedBlock mixed in, or None where its __call__ is not BLOCK_BODY."""
-    return native.mixed_class(_fused_classes, cls, _FusedBlock, "NativeFused", _fused_attrs)
+    return mixed_class(_fused_classes, cls, _FusedBlock, "NativeFused", _fused_attrs)
 
 
 def _fused_attrs(cls: type) -> dict | None:
@@ -163,8 +167,8 @@ def _fused_attrs(cls: type) -> dict | None:
 
 def patch_blocks(module: nn.Module) -> int:
     """Give the model's blocks with BLOCK_BODY whose parts are all native the fused op;
-    returns how many. Call after specmlx.cpu.attention.patch_attentions and native's
-    patch_mlps and patch_projections."""
+    returns how many. Call after specmlx.cpu.attention.patch_attentions,
+    mlp.patch_mlps and qkv.patch_projections."""
     if not available() or mx.default_device() != mx.cpu:
         return 0
     patched = 0

@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from . import native
+from . import quantized
 from .blas import fast_blas_active
 
 # Headroom over the float32 weights for activations, KV caches and the draft's share.
@@ -75,7 +75,7 @@ def pick_cpu_weights(
         return requested, "requested"
     if backend != "cpu":
         return "int4", f"backend is {backend}"
-    if use_native and native.runs_int4(module):
+    if use_native and quantized.runs_int4(module):
         return "int4", "native INT4 kernel"
     if not fast_blas_active():
         return "int4", "no fast BLAS loaded (--cpu-weights fp32 loads one)"

@@ -2,12 +2,12 @@
 
 On the CPU `mx.fast.rms_norm` and `mx.fast.rope` run as their decompositions: an RMSNorm
 ~5 MLX ops, a RoPE ~15 (positions, frequencies, cos, sin, slices, products,
-concatenations), each dispatched on its own at ~2.5 us. In a 28-layer model's decode step
-that was ~1100 of ~2100 graph nodes. The native ops (specmlx/cpu/_native: rope.cpp,
-rms_norm.cpp) compute the same formulas, each row from its own values and position
-alone, so a row's bits do not depend on the rows evaluated with it: a verify pass's rows
-equal the one-token steps'. They serve every pass, prefill included, so the whole model
-runs one arithmetic.
+concatenations), each dispatched on its own at a cost that does not shrink with its size.
+In a 28-layer model's decode step that was ~1100 of ~2100 graph nodes. The native ops
+(specmlx/cpu/_native: rope.cpp, rms_norm.cpp) compute the same formulas, each row from its
+own values and position alone, so a row's bits do not depend on the rows evaluated with
+it: a verify pass's rows equal the one-token steps'. They serve every pass, prefill
+included, so the whole model runs one arithmetic.
 
 Only `nn.RMSNorm` and `nn.RoPE` themselves are swapped (an architecture's own norm or a
 scaled RoPE keeps its code, compiled by specmlx.compiled), and a call they do not cover
@@ -22,13 +22,9 @@ import mlx.nn as nn
 from . import native
 
 
-def _ext_op(name: str):
-    return getattr(native._ext, name, None)  # None without the kernel, or in an older build
-
-
 class NativeRMSNorm(nn.RMSNorm):
     def __call__(self, x: mx.array) -> mx.array:
-        op = _ext_op("rms_norm")
+        op = native.op("rms_norm")
         weight = self["weight"]
         if (
             op is not None
@@ -43,7 +39,7 @@ class NativeRMSNorm(nn.RMSNorm):
 
 class NativeRoPE(nn.RoPE):
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
-        op = _ext_op("rope")
+        op = native.op("rope")
         if (
             op is not None
             and mx.default_device() == mx.cpu
@@ -65,7 +61,7 @@ SWAPS = {nn.RMSNorm: NativeRMSNorm, nn.RoPE: NativeRoPE}
 
 def describe() -> str:
     """Whether the native norm, RoPE and gated-MLP ops run (a part of the kernel line)."""
-    if _ext_op("rope") is None:
+    if native.op("rope") is None:
         return "MLX norms and RoPE"
     return "native RMSNorm, RoPE and gated MLPs"
 
@@ -73,7 +69,7 @@ def describe() -> str:
 def patch_model(module: nn.Module) -> int:
     """Swap the model's nn.RMSNorm and nn.RoPE layers for the native ones; how many (0 on
     the GPU, or without the kernel)."""
-    if _ext_op("rope") is None or mx.default_device() != mx.cpu:
+    if native.op("rope") is None or mx.default_device() != mx.cpu:
         return 0
     count = 0
     for layer in module.modules():
