@@ -1,4 +1,8 @@
-"""The import graph of `specmlx`: no cycles, and the engine never reaches the CLI.
+"""The import graph of `specmlx`: layers that only point down, and modules of a readable size.
+
+No cycles; the engine never reaches the CLI; the CPU backend never reaches the modules
+above it; the engine and the target use the CPU backend through its package's exports;
+no module over MAX_LINES lines.
 
 Every .py file under specmlx/ is parsed (nothing is imported, so the check is fast and
 cannot be fooled by import order). An import inside a function counts as well: it runs
@@ -17,10 +21,21 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "specmlx"
 
 # Modules below the CLI: importing them must never pull in the CLI or its UI libraries.
-# A prefix: "drafters" covers drafters.py, a drafters/ package and its submodules.
-ENGINE_LEVEL = ("engine", "drafters", "caches", "sampling", "verify", "loading", "schedule")
-ENGINE_LEVEL += ("policy",)  # once it exists
+# Each names a module and, for a package, its submodules: "drafters" covers drafters/.
+ENGINE_LEVEL = ("engine", "drafters", "policy", "caches", "sampling", "verify", "loading")
+ENGINE_LEVEL += ("exactness", "stepwise", "cpu")
 UI_LIBRARIES = ("rich", "typer")
+
+# The CPU backend sits below these: they hand it what it needs to know of them
+# (cpu.prepare's `passes_exact`) rather than being imported by it.
+CPU = "cpu"
+ABOVE_CPU = ("caches", "stepwise", "loading", "exactness")
+
+# These use the CPU backend only through the names specmlx/cpu/__init__.py exports, so
+# that its modules can be split and renamed without touching them. Either may not exist.
+CPU_PACKAGE_USERS = ("engine", "target")
+
+MAX_LINES = 600
 
 Graph = dict[str, dict[str, str]]  # importer → {imported: "file:line  statement"}
 
@@ -150,6 +165,11 @@ def find_path(graph: Graph, start: str, goal: Callable[[str], bool]) -> list[str
     return None
 
 
+def within(module: str, names: tuple[str, ...]) -> bool:
+    """Whether `module` is one of the package's `names` or a submodule of one."""
+    return any(module == f"{PACKAGE}.{n}" or module.startswith(f"{PACKAGE}.{n}.") for n in names)
+
+
 def describe(graph: Graph, chain: list[str]) -> str:
     """a -> b -> a, then the statement behind each step."""
     steps = [f"  {graph[a][b]}" for a, b in zip(chain, chain[1:], strict=False)]
@@ -194,24 +214,64 @@ def test_graph_sees_package_cycles(tmp_path):
     assert find_cycle(graph) == ["pkg", "pkg.report", "pkg"]
 
 
+def test_find_path_finds_the_shortest_chain():
+    graph = {"a": {"b": "", "c": ""}, "b": {"d": ""}, "c": {}, "d": {"c": ""}}
+    assert find_path(graph, "a", lambda m: m == "c") == ["a", "c"]
+    assert find_path(graph, "b", lambda m: m == "c") == ["b", "d", "c"]
+    assert find_path(graph, "c", lambda m: m == "a") is None
+
+
 def test_no_import_cycles():
     graph, _ = build_graph(ROOT, PACKAGE)
     cycle = find_cycle(graph)
     assert cycle is None, f"import cycle:\n{describe(graph, cycle)}"
 
 
+def test_every_engine_level_name_is_a_module():
+    modules = find_modules(ROOT, PACKAGE)
+    missing = [n for n in ENGINE_LEVEL if f"{PACKAGE}.{n}" not in modules]
+    assert not missing, f"ENGINE_LEVEL names modules that do not exist: {missing}"
+
+
 def test_engine_never_imports_the_cli():
-    graph, external = build_graph(ROOT, PACKAGE)
-    rules = [m for m in graph if any(m.startswith(f"{PACKAGE}.{r}") for r in ENGINE_LEVEL)]
-    assert rules, "no engine-level modules found: has the package moved?"
-    cli = f"{PACKAGE}.cli"
-    for start in rules:
-        chain = find_path(graph, start, lambda m: m == cli or m.startswith(f"{cli}."))
+    graph, _ = build_graph(ROOT, PACKAGE)
+    for start in [m for m in graph if within(m, ENGINE_LEVEL)]:
+        chain = find_path(graph, start, lambda m: within(m, ("cli",)))
         assert chain is None, f"{start} reaches the CLI:\n{describe(graph, chain)}"
-        # the UI libraries too, from anything the module pulls in
+
+
+def test_engine_never_imports_the_ui_libraries():
+    graph, external = build_graph(ROOT, PACKAGE)
+    for start in [m for m in graph if within(m, ENGINE_LEVEL)]:
         chain = find_path(graph, start, lambda m: any(lib in external[m] for lib in UI_LIBRARIES))
         if chain is not None:
             lib = next(lib for lib in UI_LIBRARIES if lib in external[chain[-1]])
             raise AssertionError(
                 f"{start} imports {lib}:\n{describe(graph, chain)}\n  {external[chain[-1]][lib]}"
             )
+
+
+def test_cpu_never_imports_the_modules_above_it():
+    graph, _ = build_graph(ROOT, PACKAGE)
+    cpu = [m for m in graph if within(m, (CPU,))]
+    assert len(cpu) > 1, "no specmlx.cpu modules found: has the package moved?"
+    for start in cpu:
+        chain = find_path(graph, start, lambda m: within(m, ABOVE_CPU))
+        assert chain is None, f"{start} reaches {chain[-1]}:\n{describe(graph, chain)}"
+
+
+def test_engine_and_target_use_cpu_only_through_its_package_exports():
+    graph, _ = build_graph(ROOT, PACKAGE)
+    for user in [f"{PACKAGE}.{name}" for name in CPU_PACKAGE_USERS if f"{PACKAGE}.{name}" in graph]:
+        inside = sorted(m for m in graph[user] if m.startswith(f"{PACKAGE}.{CPU}."))
+        steps = "\n".join(f"  {graph[user][m]}" for m in inside)
+        assert not inside, f"{user} imports specmlx.cpu's modules, not its exports:\n{steps}"
+
+
+def test_no_module_is_over_600_lines():
+    lengths = {
+        name: len(path.read_text().splitlines())
+        for name, path in find_modules(ROOT, PACKAGE).items()
+    }
+    long = {name: n for name, n in sorted(lengths.items()) if n > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split them by concept): {long}"
