@@ -58,8 +58,8 @@ struct alignas(64) TileConfig {
 
 // tmm0, tmm1: two tiles of weights (16 output rows x 32 bytes: one block); tmm2, tmm3: two
 // of x (8 rows x 64 bytes: the block of 16 rows of x); tmm4..7: their four products
-// (16 x 16 int32). Each tile loaded feeds two products: on the AMX CPU this was built on,
-// tileloadd, not tdpbusd, bounded a tile that loaded both operands per product.
+// (16 x 16 int32). Each tile loaded feeds two products: tile loads, not tdpbusd, bound a
+// tile that loads both operands per product (README.md, "int8 activations", AMX).
 SPECMLX_AMX void configure_tiles() {
   TileConfig cfg;
   for (int t : {0, 1}) {

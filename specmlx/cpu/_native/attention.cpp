@@ -1,8 +1,8 @@
 // Attention over a KV cache for decode and verify shapes. MLX's CPU
-// fast.scaled_dot_product_attention spent ~1 ms a layer on 3 MFLOP at Qwen2.5-1.5B's
-// decode shape (L = 1000), 30x the time its K and V take to read. Here one pass over a KV
-// head's keys serves every query row that reads them (its GQA heads x Lq), and a second
-// pass over its values does the same. Figures: README.md.
+// fast.scaled_dot_product_attention takes many times what reading its K and V takes at
+// decode shapes, where the work is small (bench/results/attention.md). Here one pass over
+// a KV head's keys serves every query row that reads them (its GQA heads x Lq), and a
+// second pass over its values does the same. Why and how: README.md, "Attention".
 //
 // Row independence, bitwise: a query row's scores, exps, sum and output are computed by
 // the same operations in the same order whatever rows run with it, how many threads run,
@@ -46,7 +46,8 @@ constexpr int kMaxRowGroup = 4;
 constexpr int kValueBlock = 32;
 // Scores a work item keeps (4 MiB): a prefill chunk's rows are cut into parts below it.
 constexpr size_t kMaxScores = size_t(1) << 20;
-// Waking a worker costs ~20 us: split only when each thread gets this many multiply-adds.
+// Waking a parked worker costs more than a small share of work saves (thread_pool.cpp):
+// split only when each thread gets this many multiply-adds.
 constexpr size_t kMinWorkPerThread = size_t(1) << 20;
 
 struct Call {
@@ -81,7 +82,7 @@ struct Call {
 // How far ahead the score and value passes fetch a head's keys and values, in their own
 // blocks: over a cache that comes from DRAM (28 layers of 1500 positions: 86 MB) the
 // hardware prefetchers leave the passes waiting on memory. 2 blocks (16 and 32 KB ahead)
-// took 28 such layers from 5.3 to 4.7 ms; 4 and 8 blocks gained less (Zen 5).
+// gained the most of 2, 4 and 8 (bench/results/ARCHIVE.md, "fewer nodes a step").
 constexpr int kAheadBlocks = 2;
 
 // Every line of `rows` rows of D floats, `ld` apart, into L1.

@@ -72,8 +72,8 @@ inline float scale_at(const void* p, size_t i, ScaleType t) {
 }
 
 // A scale or bias as float, for the AVX2 / AVX-512 kernels: fp16 is widened by one F16C
-// vcvtph2ps (MLX's float16_t converts in software, which made fp16 scales cost 20-30% of a
-// decode row), bf16 by a shift. Both are exact, so the result is the float32 scales' own.
+// vcvtph2ps (MLX's float16_t converts in software, a visible share of a decode row's
+// time), bf16 by a shift. Both are exact, so the result is the float32 scales' own.
 // The scalar kernels keep MLX's conversion: they are what a CPU without F16C runs.
 SPECMLX_F16C inline float scale_f16c(const void* p, size_t i, ScaleType t) {
   if (t == ScaleType::f32) {

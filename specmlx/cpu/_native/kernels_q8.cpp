@@ -72,16 +72,15 @@ using TileFn = void (*)(const QmmJob&, int n0, int n1, int m0);
 
 // How far ahead in each of a tile's two weight streams (rows n0 and n1 run on through
 // memory, see qmm_rows_q8) the weights are asked for. The hardware prefetchers follow the
-// streams either way; asking ahead as well made the tiles 1.2-1.3x faster at M = 8
-// (bench/results/row_pairing.md). With one row of x the packed four-row tile and the
-// AVX-512 two-row tile do not ask (kPrefetchRows): the prefetchers alone keep up with a
-// tile that does so little a cache line, and the prefetch instructions cost more than
-// they bring (1.04-1.16x from DRAM at M = 1, whole one-token passes 1.07x; the packed
-// tile without them at M = 2 and 4: 0.7-0.9x; bench/results/README.md, round 27). The
-// AVX2 tiles ask at every M: the two-row tile (8 and 6 bits; without: 0.92x), the unpacked
-// four-row tile, and the packed four-row tile, whose one-row decode on the AVX2-only Zen 3,
-// where one core reads DRAM at only ~11 GB/s, read 1.05x and 1.08x with them (held to AVX2
-// on a Zen 4: 0.97-1.01x; bench/results/README.md, rounds 29 and 31).
+// streams either way; asking ahead as well keeps the tiles from waiting on memory at
+// several rows of x (bench/results/row_pairing.md). With one row of x the packed four-row
+// tile and the AVX-512 two-row tile do not ask (kPrefetchRows): the prefetchers alone
+// keep up with a tile that does so little a cache line, and the prefetch instructions
+// cost more than they bring there, while at two and four rows they are needed
+// (bench/results/ARCHIVE.md, "no prefetch at one row"). The AVX2 tiles ask at every M: the
+// two-row tile (8 and 6 bits), the unpacked four-row tile, and the packed four-row tile,
+// which on a CPU whose one core reads DRAM slowly decodes faster with them and elsewhere
+// no slower (bench/results/ARCHIVE.md, "the AVX2 tile prefetches at one row").
 constexpr int kPrefetchBytes = 4 << 10;
 constexpr int kPackedPrefetchBytes = 4 << 10;  // one stream per tile: its own distance
 constexpr int kPrefetchRows = 2;  // the fewest rows of x an AVX-512 tile prefetches for
@@ -89,9 +88,9 @@ constexpr int kPrefetchRows = 2;  // the fewest rows of x an AVX-512 tile prefet
 // Where a packed tile's prefetches land. Its rows of x are re-read from L1 once a tile; when
 // a tile's weights, those rows and the stream asked ahead overflow L1 (a 1.5B's down
 // projection: K = 8960, ~20 KB of weights a tile against ~10 KB of x a row), weights
-// prefetched into L1 evict x, and asking for them into L2 only is faster (down 1.31x at two
-// and four rows; gate/up, K = 1536, all into L2: 0.7-0.86x; bench/results/README.md,
-// round 26). One row asks for nothing (kPrefetchRows).
+// prefetched into L1 evict x, and asking for them into L2 only is faster there (while
+// for gate/up, K = 1536, L2 alone is slower; bench/results/ARCHIVE.md, "down's prefetch
+// into L2"). One row asks for nothing (kPrefetchRows).
 enum class Stream { l1, l2 };
 
 size_t l1d_bytes() {
@@ -278,7 +277,7 @@ SPECMLX_VNNI512 inline __attribute__((always_inline)) void chunk_512(
   // streaming through.)
   const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   // Every loop over acc is unrolled: with a loop left over it, GCC keeps acc in memory
-  // and stores each accumulator once per chunk (10-20% of a row).
+  // and stores each accumulator once per chunk.
   #pragma GCC unroll 16
   for (int m = 0; m < MT; ++m) {
     const int8_t* qm = q + size_t(m) * ldq;
@@ -626,8 +625,8 @@ SPECMLX_AVX2_Q8 inline float hsum256(__m256 v) {
 // at bit 8, 6, 4, 2) and shifts it down with one unsigned multiply-high. Both halves are
 // 16-byte loads inside the chunk (at 0 and at 8), each shuffled per lane from its own
 // bytes: 8 instructions a chunk where widening to bytes and then to int16 took ~15 and a
-// copy of the row's last chunk (6-bit heads had run at 0.76x the 8-bit ones' speed on
-// AVX2: bench/results/README.md, round 26).
+// copy of the row's last chunk, which left 6-bit heads well behind 8-bit ones on AVX2
+// (bench/results/ARCHIVE.md, "6-bit codes fast on AVX2").
 SPECMLX_AVX2_Q8 inline __attribute__((always_inline)) __m256i widen6_half(const uint8_t* p, __m256i windows) {
   const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   const __m256i down = _mm256_setr_epi16(

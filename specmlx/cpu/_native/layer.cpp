@@ -1,10 +1,11 @@
 // A decoder layer's step as one op. A 1.5B decode step was ~9 graph nodes a layer (two
 // norms, the stacked q/k/v product, the cached attention, o, the gated product, down and
-// two adds), and each node costs the Python thread and MLX's dispatch ~16 us whatever its
-// size (bench/results/README.md): ~4 ms of a step. Here the layer's steps run back to back
-// in one task, each through the function its own op's task calls (rms_norm_rows,
-// run_stacked, cached_attention_rows, run_matmul), on scratch buffers, so the result is
-// theirs bit for bit and rows stay independent of each other as they are there.
+// two adds), and each node costs the Python thread and MLX's dispatch the same whatever its
+// size (bench/results/ARCHIVE.md, "a decoder layer as one op"). Here the layer's steps run
+// back to back in one task, each through the function its own op's task calls
+// (rms_norm_rows, run_stacked, cached_attention_rows, run_matmul), on scratch buffers, so
+// the result is theirs bit for bit and rows stay independent of each other as they are
+// there.
 #include "layer.h"
 
 #include <memory>

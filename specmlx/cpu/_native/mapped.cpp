@@ -5,16 +5,16 @@
 //
 // The CPU-only build lays a buffer out as [size_t size][data]: Buffer points at the size,
 // raw_ptr() (what array::data() reads) is that pointer + 8, and allocator().size() reads
-// the size. It must be right: Contiguous::eval_cpu (mx::contiguous, which the native
-// kernel calls on its weights) shares an input's buffer only when that size is at most
-// the output's bytes + 16 KiB, and copies the whole input otherwise, so a wrong size
-// would copy every weight at every call (3x slower decoding, measured). In the file the 8
-// bytes before a tensor are the end of the one before it (or of the JSON header), so each
-// tensor gets a private (copy-on-write) mapping of its own pages, the tensor's byte count
-// is written in front of it there (one page per tensor becomes private: 4 KiB), and the
-// mapping is then made read-only. The other thing that reads the size, donation
-// (is_donatable(in, out)), first asks in.is_donatable(), which is false for Data that the
-// allocator does not own: no op writes into a mapped tensor, and a write would fault.
+// the size. It must be right: Contiguous::eval_cpu (mx::contiguous, which the native kernel
+// calls on its weights) shares an input's buffer only when that size is at most the
+// output's bytes + 16 KiB, and copies the whole input otherwise, so a wrong size would copy
+// every weight at every call. In the file the 8 bytes before a tensor are the end of the
+// one before it (or of the JSON header), so each tensor gets a private (copy-on-write)
+// mapping of its own pages, the tensor's byte count is written in front of it there (one
+// page per tensor becomes private: 4 KiB), and the mapping is then made read-only. The
+// other thing that reads the size, donation (is_donatable(in, out)), first asks
+// in.is_donatable(), which is false for Data that the allocator does not own: no op writes
+// into a mapped tensor, and a write would fault.
 #include "mapped.h"
 
 #include <fcntl.h>

@@ -25,10 +25,10 @@ namespace {
 
 // A matmul is split across threads only when each thread gets at least this much work
 // (weights touched x (rows of x + 2), roughly the instruction count of the inner loop).
-// Within a pass the pool's workers are still spinning from the last op, so a split costs a
-// few microseconds: a 1536 x 1536 layer at one row (a 1.5B's q and o) splits, a 256-row k
-// or v does not. (Three times this, the bound while workers parked between ops, left those
-// q and o layers on one thread: 3% of a 1.5B step, bench/results/README.md.)
+// Within a pass the pool's workers are still spinning from the last op, so a split is
+// cheap: a 1536 x 1536 layer at one row (a 1.5B's q and o) splits, a 256-row k or v does
+// not. (Three times this, the bound while workers parked between ops, left those q and o
+// layers on one thread, which cost a 1.5B step time for nothing.)
 constexpr size_t kMinWorkPerThread = size_t(1) << 20;
 
 std::atomic<Isa> g_isa{detect_isa()};
@@ -174,10 +174,10 @@ struct RowRange {
 // graph); with fixed shares the whole op waited for it, here the other thread takes over
 // its ranges. About kRangesPerThread a thread, of at least kMinRangeRows rows: each range
 // starts its streams (and their prefetch) afresh, and since the four-row tile reads one
-// packed stream, 4 ranges a thread decode faster than 16 (1.02-1.03x, 14 of 14 process
-// pairs, Zen 4; bench/results/README.md, round 25). Ranges are whole AMX tiles (16 rows;
-// the vector tiles take 2 or 4); a row's result does not depend on its range (nor on its
-// partners), so the results are those of any other cut.
+// packed stream, 4 ranges a thread decode faster than 16 (bench/results/ARCHIVE.md, "packed
+// weights"). Ranges are whole AMX tiles (16 rows; the vector tiles take 2 or 4); a row's
+// result does not depend on its range (nor on its partners), so the results are those of
+// any other cut.
 constexpr int kRangesPerThread = 4, kMinRangeRows = 64;
 
 std::vector<RowRange> row_ranges(const std::vector<int>& rows, int n_threads) {
@@ -651,17 +651,17 @@ namespace {
 
 constexpr size_t kHugePage = size_t(2) << 20;
 
-// The packed copies of a model's layers, in one anonymous mapping whose 2 MiB pages Linux is
-// asked to back with huge pages (where THP is "madvise", the default on most distributions;
-// a no-op where it is "never"). A decode step streams every packed weight once, and on
-// 4 KiB pages that is a page walk every 4 KiB. A fresh mapping, not the allocator's memory:
-// pages the allocator reuses were faulted in small already, and one mapping for all the
-// layers leaves no small copy (q/k/v) and no edge of a copy off huge pages. The allocator's
-// memory advised page by page got ~65% of the 1.5B's packed bytes huge (decode 1.03x against
-// none); this mapping all of them (decode 1.05x and 1.10x against that; loading the pair
-// ~0.2 s slower, the huge pages' faults; bench/results/README.md, round 27). Each copy is
-// laid out as MLX's CPU buffers are, [size_t bytes][data] (see mapped.cpp), so that its
-// array's buffer size is its own.
+// The packed copies of a model's layers, in one anonymous mapping whose 2 MiB pages Linux
+// is asked to back with huge pages (where THP is "madvise", the default on most
+// distributions; a no-op where it is "never"). A decode step streams every packed weight
+// once, and on 4 KiB pages that is a page walk every 4 KiB. A fresh mapping, not the
+// allocator's memory: pages the allocator reuses were faulted in small already, and one
+// mapping for all the layers leaves no small copy (q/k/v) and no edge of a copy off huge
+// pages. The allocator's memory advised page by page got only part of the packed bytes
+// huge; this mapping gets all of them, and decodes faster for it at the cost of a slower
+// load, the huge pages' faults (bench/results/ARCHIVE.md, "huge pages"). Each copy is laid
+// out as MLX's CPU buffers are, [size_t bytes][data] (see mapped.cpp), so that its array's
+// buffer size is its own.
 struct Arena {
   void* base = MAP_FAILED;
   size_t size = 0;

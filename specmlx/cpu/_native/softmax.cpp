@@ -1,8 +1,7 @@
-// Softmax over a vocabulary row. MLX's CPU exp is scalar on x86 (mx.softmax: 1.5 ms over
-// 152k logits): at T > 0 each sampled row (a plain step, a draft pass, each verified
-// position) paid that. A vector exp makes it 0.04 ms with AVX-512 and 0.07 ms with AVX2 +
-// FMA (for CPUs without AVX-512, e.g. AVX2-only EPYCs); scalar std::exp (0.5 ms) without
-// either. Figures: README.md.
+// Softmax over a vocabulary row. MLX's CPU exp is scalar on x86: at T > 0 each sampled
+// row (a plain step, a draft pass, each verified position) paid a scalar exp per logit.
+// Here a vector exp runs with AVX-512, or with AVX2 + FMA (for CPUs without AVX-512), and
+// scalar std::exp without either. Why and how: README.md, "The softmax".
 #include "softmax.h"
 
 #include <immintrin.h>

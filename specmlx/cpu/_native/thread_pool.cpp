@@ -14,10 +14,10 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // How long a thread spins for the next task (or for its workers) before it parks. A parked
-// worker on a VM's idle vCPU took 20-160 us to wake (the host halts the vCPU): more than a
-// whole matmul of a decode step, whose matmuls come well inside this window of each other.
-// Longer windows (1 ms) lost decode speed: the spinning worker took a core from the Python
-// thread and MLX's stream thread when both ran, between passes.
+// worker on a VM's idle vCPU is slow to wake (the host halts the vCPU): slower than a whole
+// matmul of a decode step, whose matmuls come well inside this window of each other.
+// Much longer windows lose decode speed: the spinning worker takes a core from the Python
+// thread and MLX's stream thread when both run, between passes.
 constexpr auto kSpinWindow = std::chrono::microseconds(200);
 
 // Spin until value != seen or the window passes; true if it changed. The spin yields the
