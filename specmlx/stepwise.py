@@ -38,10 +38,11 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
 from .caches import layers
-from .settings import MAX_GAMMA
 
-# The longest pass stepped: a verify pass or a draft's catch-up.
-MAX_TOKENS = MAX_GAMMA + 1
+# The longest pass stepped: a verify pass or a draft's catch-up, settings.MAX_GAMMA + 1
+# tokens (tests/test_stepwise.py holds them together). Not imported: settings reaches the
+# drafters, which sit above this module.
+MAX_TOKENS = 9
 # The mlx-lm classes (module, name) whose `_conv` and `_ssm` are wrapped: Mamba-2 mixers
 # keeping (conv state, SSM state) in an ArraysCache's slots 0 and 1.
 MIXERS = {
