@@ -16,10 +16,12 @@ on the target's curve.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 from bench.timing import median
+from specmlx.bench import encode
+from specmlx.caches import make_cache, prefill, timed_pass
+from specmlx.cpu import native
+from specmlx.loading import load
 
 PROMPT = "Write a python function that adds two numbers and explain it."
 
@@ -33,14 +35,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--isa", help="force the native kernels' ISA: avx512, avx2 or scalar")
     args = parser.parse_args(argv)
     if args.isa:
-        # The kernel reads SPECMLX_ISA once, when it is first imported (by the load below).
-        if "specmlx.cpu.native" in sys.modules and os.environ.get("SPECMLX_ISA") != args.isa:
-            raise SystemExit(f"--isa comes too late here: run with SPECMLX_ISA={args.isa}")
-        os.environ["SPECMLX_ISA"] = args.isa
-
-    from specmlx.bench import encode
-    from specmlx.caches import make_cache, prefill, timed_pass
-    from specmlx.loading import load
+        if not native.available():
+            raise SystemExit(f"--isa needs the native kernel: {native.reason()}")
+        native.set_isa(args.isa)
 
     target, draft = load(args.target), load(args.draft)
     ids = encode(target, PROMPT, chat_template=True)
@@ -72,8 +69,6 @@ def main(argv: list[str] | None = None) -> None:
             after[k].append(run("target", k))
     t1, d1 = median(alone[1]), median(draft_pass)
     if args.isa:
-        from specmlx.cpu import native
-
         print(f"kernel: {native.describe()}")
     print(f"T(1) {t1 * 1000:.0f} ms; draft pass {d1 / t1:.2f} of T(1)")
     print("alone:       " + "  ".join(f"{k}: {median(v) / t1:.2f}" for k, v in alone.items()))
