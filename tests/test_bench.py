@@ -13,8 +13,8 @@ import pytest
 from specmlx import bench
 from specmlx.bench import Mode, RunRecord
 from specmlx.cli import main
+from specmlx.drafters import modes as draft_modes
 from specmlx.errors import SpecmlxError
-from specmlx.settings import DRAFT_MODES
 
 
 def record(prompt_id: str, mode: str, tokens: int, decode_s: float, **kw) -> RunRecord:
@@ -203,7 +203,7 @@ def test_each_draft_mode_runs_at_every_gamma():
 
 
 def test_draft_modes_are_the_engines():
-    assert bench.parse_draft_modes(" ,".join(DRAFT_MODES)) == list(DRAFT_MODES)
+    assert bench.parse_draft_modes(" ,".join(draft_modes())) == draft_modes()
     with pytest.raises(SpecmlxError, match="--draft-mode"):
         bench.parse_draft_modes("beam")
 
@@ -466,27 +466,222 @@ def test_a_result_that_did_not_finish_is_refused(tmp_path):
         bench.read_result(partial)
 
 
-def finished_bench_result(path: Path) -> bool:
-    result = json.loads(path.read_text())
-    return (
-        isinstance(result, dict)
-        and result.get("schema") == bench.SCHEMA
-        and not result.get("partial")
-    )
+# What every committed result holds (bench/results/*.json, from the first run to the
+# latest): the keys the readers may rely on. Results carry more (later fields: label,
+# retimed, a row's cut_short and runs; dropped ones: machine.code), which readers take
+# where present, so an old result still renders.
+RESULT_SCHEMA = {
+    "": {"schema", "argv", "command", "started", "duration_s", "machine", "models",
+         "settings", "cold_start", "memory", "prompts", "warmup", "runs", "summary"},
+    "settings": {"modes", "temperatures", "categories", "split", "max_tokens", "seed",
+                 "chat_template", "cpu_weights", "quick", "interleaving", "timing", "warmup"},
+    "machine": {"cpu", "cores", "cores_usable", "backend", "device", "mlx", "mlx_lm",
+                "specmlx", "python", "platform", "blas", "int4_kernel", "env",
+                "load_average", "load_average_end"},
+    "machine.blas": {"active", "mapped"},
+    "cold_start": {"cold_start_s", "weights_s", "import_s", "tokenizer_s", "before_main_s",
+                   "first_call_wall_s", "first_call_ttft_s"},
+    "memory": {"rss_peak_bytes", "rss_bytes_end"},
+    "models.target": {"name", "path", "model_type", "description", "dtype", "quantization",
+                      "cpu_weights", "cpu_weights_why", "layer_types", "load_info"},
+    "summary[]": {"mode", "engine", "family", "gamma", "temperature", "category", "prompts",
+                  "tokens", "decode_tps_median", "decode_tps_total", "speedup_median",
+                  "speedup_min", "speedup_max", "speedup_total", "e2e_speedup_median",
+                  "alpha", "tau", "draft_share", "prefill_tps_median", "ttft_s_median",
+                  "peak_memory_bytes", "rss_bytes", "greedy_checked", "greedy_divergent",
+                  "rounds_by_gamma"},
+    "runs[]": {"prompt_id", "category", "temperature", "mode", "engine", "family", "gamma",
+               "order", "prompt_tokens", "tokens", "token_ids", "text", "finish_reason",
+               "prefill_s", "ttft_s", "decode_s", "wall_s", "target_passes", "drafted",
+               "accepted", "draft_s", "peak_memory_bytes", "rss_bytes", "decode_tps",
+               "prefill_tps", "e2e_tps", "alpha", "tau", "draft_share", "drafted_by_position",
+               "accepted_by_position", "matches_target", "diverges_at", "engine_stats"},
+}  # fmt: skip
 
 
-COMMITTED = sorted(
-    path
-    for path in (Path(__file__).parents[1] / "bench" / "results").glob("*.json")
-    if finished_bench_result(path)
-)
+def schema_problems(result: dict) -> list[str]:
+    """What `result` lacks of RESULT_SCHEMA, as 'where: key' lines."""
+    problems = [] if result.get("schema") == bench.SCHEMA else [f"schema: {result.get('schema')}"]
+    for where, keys in RESULT_SCHEMA.items():
+        if where.endswith("[]"):
+            parts = result.get(where[:-2]) or [{}]
+        else:
+            part = result
+            for step in filter(None, where.split(".")):
+                part = part.get(step, {})
+            parts = [part]
+        for part in parts:
+            problems += [f"{where or 'top'}: {key}" for key in sorted(keys - set(part))]
+    return problems
 
 
-@pytest.mark.parametrize("path", COMMITTED, ids=[p.name for p in COMMITTED])
-def test_every_committed_result_renders_again(path, capsys):
+def old_result() -> dict:
+    """A finished result in the oldest committed shape, two prompts small: no label, no
+    steal retiming, no cut_short or runs in its rows, and machine.code, a field since
+    dropped."""
+    summary, runs = [], []
+    for mode, gamma in (("target", 0), ("specmlx:auto", "auto")):
+        engine = {"engine": "specmlx", "family": "specmlx", "gamma": gamma, "temperature": 0.0}
+        for category in ("qa", "humaneval", "all"):
+            auto = mode != "target"
+            summary.append({
+                **engine, "mode": mode, "category": category, "prompts": 1, "tokens": 8,
+                "decode_tps_median": 10.0 + 5 * auto, "decode_tps_total": 10.0 + 5 * auto,
+                "speedup_median": 1.0 + 0.5 * auto, "speedup_min": 1.0, "speedup_max": 1.5,
+                "speedup_total": 1.0 + 0.5 * auto, "e2e_speedup_median": 1.0 + 0.4 * auto,
+                "alpha": 0.9 if auto else None, "tau": 2.0 if auto else None,
+                "draft_share": 0.2 if auto else None, "prefill_tps_median": 50.0,
+                "ttft_s_median": 0.2, "peak_memory_bytes": 2**20, "rss_bytes": 2**21,
+                "greedy_checked": 1 if auto else 0, "greedy_divergent": 0,
+                "rounds_by_gamma": {"0": 2, "3": 2} if auto else {},
+            })  # fmt: skip
+        for order, (prompt, category) in enumerate((("p/1", "qa"), ("humaneval/0", "humaneval"))):
+            runs.append({
+                **engine, "mode": mode, "prompt_id": prompt, "category": category,
+                "order": order, "prompt_tokens": 10, "tokens": 8, "token_ids": list(range(8)),
+                "text": "", "finish_reason": "length", "prefill_s": 0.2, "ttft_s": 0.2,
+                "decode_s": 0.8, "wall_s": 1.0, "target_passes": 8 - 4 * auto,
+                "drafted": 6 * auto, "accepted": 5 * auto, "draft_s": 0.1 if auto else None,
+                "peak_memory_bytes": 2**20, "rss_bytes": 2**21, "decode_tps": 10.0,
+                "prefill_tps": 50.0, "e2e_tps": 8.0, "alpha": None, "tau": None,
+                "draft_share": None, "drafted_by_position": [], "accepted_by_position": [],
+                "matches_target": True if auto else None, "diverges_at": None,
+                "engine_stats": None,
+            })  # fmt: skip
+    target = {
+        "name": "tiny-target", "path": "$SPECMLX_HOME/models/tiny-target",
+        "model_type": "qwen2", "description": "tiny", "dtype": "float32",
+        "quantization": {"bits": 4, "group_size": 64}, "cpu_weights": "int4",
+        "cpu_weights_why": "", "layer_types": {}, "load_info": {},
+    }  # fmt: skip
+    return {
+        "schema": bench.SCHEMA, "argv": ["specmlx", "bench"], "command": "specmlx bench",
+        "started": "2026-11-28T00:00:00Z", "duration_s": 12.0,
+        "machine": {
+            "cpu": "a CPU", "cores": 2, "cores_usable": 2, "backend": "cpu", "device": "cpu",
+            "mlx": "0.32.4", "mlx_lm": "0.32.2", "specmlx": "0.1.0", "python": "3.11",
+            "platform": "Linux", "blas": {"active": None, "mapped": None},
+            "int4_kernel": "native", "env": {}, "load_average": [1.0, 1.0, 1.0],
+            "load_average_end": [1.0, 1.0, 1.0], "code": {"commit": "0000000"},
+        },
+        "models": {"target": target, "draft": dict(target, name="tiny-draft")},
+        "settings": {
+            "modes": ["target", "specmlx:auto"], "temperatures": [0.0],
+            "categories": ["qa", "humaneval"], "split": "tune", "max_tokens": 8, "seed": 0,
+            "chat_template": True, "cpu_weights": "auto", "quick": False,
+            "interleaving": "rotated", "timing": "decode", "warmup": True,
+        },
+        "cold_start": {
+            "cold_start_s": 1.0, "weights_s": 0.5, "import_s": 0.2, "tokenizer_s": 0.1,
+            "before_main_s": 0.1, "first_call_wall_s": 0.3, "first_call_ttft_s": 0.1,
+        },
+        "memory": {"rss_peak_bytes": 2**30, "rss_bytes_end": 2**29},
+        "prompts": [{"id": "p/1", "category": "qa"},
+                    {"id": "humaneval/0", "category": "humaneval"}],
+        "warmup": [], "runs": runs, "summary": summary,
+    }  # fmt: skip
+
+
+def test_a_result_of_todays_bench_holds_the_schema_of_every_committed_one(bench_run):
+    result, _ = bench_run
+    assert schema_problems(result) == []
+
+
+def test_the_schema_check_names_what_a_result_lacks():
+    result = old_result()
+    assert schema_problems(result) == []
+    del result["memory"]["rss_peak_bytes"], result["summary"][0]["tau"]
+    assert schema_problems(result) == ["memory: rss_peak_bytes", "summary[]: tau"]
+
+
+def test_a_result_in_the_oldest_committed_shape_renders_again(tmp_path, capsys):
     # Older results carry fields since dropped (machine.code, the commit) and lack later ones.
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old_result()))
     main(["bench", "--from-json", str(path)])
-    assert "speedup [min–max]" in capsys.readouterr().out  # brackets are text, not markup
+    out = capsys.readouterr().out
+    assert "speedup [min–max]" in out  # brackets are text, not markup
+    assert "1.50× [1.00–1.50]" in out and "humaneval" in out
+
+
+# ---------------------------------------------------------------- the suite in bench/
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_python_m_bench_lists_every_benchmark_with_its_purpose():
+    import bench as suite
+
+    names = suite.names()
+    assert 0 < len(names) + len(suite.HELPERS) <= 15  # the bar: at most 15 scripts
+    out = subprocess.run(
+        [sys.executable, "-m", "bench"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    for name in names:
+        assert f"  {name} " in out and suite.purpose(name) in out
+    assert "timing" not in out.split()
+
+
+def test_every_benchmark_takes_argv_and_is_listed_in_the_readme():
+    import ast
+
+    import bench as suite
+
+    readme = (ROOT / "bench" / "README.md").read_text()
+    for name in suite.names():
+        tree = ast.parse((ROOT / "bench" / f"{name}.py").read_text())
+        mains = [f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "main"]
+        assert mains and mains[0].args.args[0].arg == "argv", name
+        assert f"`{name}`" in readme, f"bench/README.md does not list {name}"
+
+
+def test_benchmarks_import_each_other_as_package_modules_and_not_the_private_extension():
+    import ast
+
+    import bench as suite
+
+    local = {p.stem for p in (ROOT / "bench").glob("*.py")}
+    for path in (ROOT / "bench").glob("*.py"):
+        source = path.read_text()
+        assert "_ext" not in source, f"{path.name} reaches into specmlx.cpu.native._ext"
+        for node in ast.walk(ast.parse(source)):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module.split(".")[0]]
+            assert not set(names) & (local - {"bench"}), f"{path.name} imports {names} by path"
+    assert set(suite.HELPERS) <= local
+
+
+def test_timing_orders_and_interleaves_so_no_variant_always_goes_first():
+    from bench import timing
+
+    assert [o for _, o in timing.orders("ab", 4)] == [["a", "b"], ["b", "a"]] * 2
+    assert [o for _, o in timing.orders("abc", 3, "rotate")] == [
+        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]
+    ]  # fmt: skip
+    calls = []
+    out = timing.interleave({n: (lambda r, n=n: calls.append((n, r)) or r) for n in "ab"}, 3)
+    assert calls == [("a", 0), ("b", 0), ("b", 1), ("a", 1), ("a", 2), ("b", 2)]
+    assert out == {"a": [0, 1, 2], "b": [0, 1, 2]}
+    assert timing.median([]) is None and timing.median([3, 1, 2]) == 2
+    assert abs(timing.geomean([0.5, 2.0]) - 1.0) < 1e-12
+    seconds = timing.interleaved_seconds({"x": lambda: None}, 2)
+    assert len(seconds["x"]) == 2 and all(s >= 0 for s in seconds["x"])
+
+
+def test_timing_writes_paths_as_a_committed_result_should_hold_them(tmp_path, monkeypatch):
+    from bench import timing
+    from specmlx.paths import home
+
+    assert timing.portable(home() / "models" / "x") == "$SPECMLX_HOME/models/x"
+    monkeypatch.chdir(tmp_path)
+    assert timing.portable(tmp_path / "bench" / "results") == "bench/results"
+    assert timing.portable("relative/path") == "relative/path"
+    timing.write_atomic(tmp_path / "out.md", "done\n")
+    assert (tmp_path / "out.md").read_text() == "done\n"
+    assert not list(tmp_path.glob("*.partial"))
 
 
 def test_plot_without_matplotlib_is_a_clear_error(bench_run, monkeypatch, tmp_path, capsys):

@@ -1,11 +1,12 @@
-"""bench/llamacpp.py's pure parts: its options, what it reads from llama.cpp's tools
+"""bench.llamacpp's pure parts: its options, what it reads from llama.cpp's tools
 (recorded output of llama.cpp 0c1e57098, vendored by llama-cpp-python 0.3.36) and the
-summary it computes. Nothing here builds llama.cpp or times anything."""
+summary it computes. Nothing here builds llama.cpp or times anything.
+
+`bench` is the package at the repository's root (`python -m bench llamacpp`), imported as
+one: pytest puts the root on sys.path (pyproject's `pythonpath`)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,12 +16,12 @@ from specmlx.errors import SpecmlxError
 
 @pytest.fixture(scope="module")
 def bench():
-    path = Path(__file__).parent.parent / "bench" / "llamacpp.py"
-    spec = importlib.util.spec_from_file_location("llamacpp_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    import bench.llamacpp
+
+    # the repository's own bench/, not a package of that name from elsewhere
+    here = Path(__file__).resolve().parents[1] / "bench"
+    assert Path(bench.llamacpp.__file__).resolve().parent == here
+    return bench.llamacpp
 
 
 PROMPT = (
@@ -319,7 +320,7 @@ def test_decode_summary_has_each_engine_s_median_and_their_ratio(bench):
 def test_the_markdown_has_one_row_per_engine_and_dashes_for_parts_not_run(bench):
     result = {
         "label": "t",
-        "command": "python bench/llamacpp.py --only decode",
+        "command": "python -m bench llamacpp --only decode",
         "machine": {
             "lscpu_model": "AMD EPYC",
             "isa": ["avx2"],
@@ -346,7 +347,7 @@ def test_the_markdown_has_one_row_per_engine_and_dashes_for_parts_not_run(bench)
 def test_the_markdown_says_when_both_engines_were_held_to_avx2(bench):
     result = {
         "label": "t",
-        "command": "python bench/llamacpp.py --isa avx2",
+        "command": "python -m bench llamacpp --isa avx2",
         "machine": {
             "lscpu_model": "AMD EPYC",
             "isa": ["avx2", "avx512f"],
