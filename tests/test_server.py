@@ -19,11 +19,23 @@ import pytest
 import uvicorn
 
 import specmlx
-from specmlx.server import make_app
+from specmlx.server import make_app, worker
 from specmlx.server.pool import SessionPool, session_bytes
 
 MODEL = "tiny-test"
 GREEDY = {"temperature": 0, "max_tokens": 16}
+# How long a wait may last before the test calls it a hang. Nothing here asserts how fast
+# the server is: a wait that ends does so by an event, and this only bounds a broken one.
+HANG_S = 120
+
+
+def wait_until(condition, what: str) -> None:
+    """Poll `condition` until it holds; fail after HANG_S (a hang, not a slow machine)."""
+    deadline = time.monotonic() + HANG_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} never happened (hung for {HANG_S} s)")
+        time.sleep(0.01)
 
 
 @contextmanager
@@ -35,10 +47,8 @@ def running(app):
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.01)
+    wait_until(lambda: server.started or not thread.is_alive(), "the server's start")
+    assert server.started, "the server's thread ended before it started serving"
     try:
         yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
@@ -168,35 +178,90 @@ def test_second_chat_turn_prefills_only_its_new_tokens(client):
     assert stats_of(second)["prefill_tokens"] < second.usage.prompt_tokens // 2
 
 
+class HeldDecodes:
+    """The server's decodes, each held after its first step until `release` is set: a
+    reply that is provably still decoding, on a machine of any speed. Installed over the
+    decode thread's `generate` (specmlx.server.worker looks it up at every decode).
+
+    held: set once a decode has emitted its first step and waits. prompts: the prompt ids
+    of every decode begun, in the order the decode thread began them."""
+
+    def __init__(self, monkeypatch):
+        self.held, self.release = threading.Event(), threading.Event()
+        self.prompts: list[list[int]] = []
+        real = worker.generate
+
+        def generate(target, ids, **settings):
+            self.prompts.append(list(ids))
+            return HeldGeneration(real(target, ids, **settings), self)
+
+        monkeypatch.setattr(worker, "generate", generate)
+
+
+class HeldGeneration:
+    """A Generation whose steps stop after the first until its holder releases them; its
+    text, tokens, stats and close are the real one's."""
+
+    def __init__(self, gen, holder: HeldDecodes):
+        self._gen, self._holder = gen, holder
+
+    def __iter__(self):
+        for i, step in enumerate(self._gen):
+            yield step
+            if i == 0:  # the worker has handed the first step on and asks for the next
+                self._holder.held.set()
+                self._holder.release.wait(HANG_S)
+
+    def __getattr__(self, name: str):
+        return getattr(self._gen, name)
+
+
+def test_health_answers_while_a_reply_decodes_and_requests_queue_in_order(
+    client, url, models, monkeypatch
+):
+    # The decode thread is held mid-reply, so /health can only answer if the event loop
+    # never waits on a decode: it would hang here otherwise, whatever the machine's speed.
+    target = models["target"]
+    prompts = ["first in line", "second in line"]
+    alone = [chat(client, p).choices[0].message.content for p in prompts]
+    with httpx.Client(base_url=url, timeout=HANG_S) as http:
+        before = http.get("/health").json()
+        holder = HeldDecodes(monkeypatch)
+        with ThreadPoolExecutor(2) as pool:
+            try:
+                first = pool.submit(chat, client, prompts[0])
+                assert holder.held.wait(HANG_S), "the first reply never began decoding"
+                second = pool.submit(chat, client, prompts[1])
+                # /health answers, again and again, while the first reply is held mid-decode
+                # and until the second request has queued behind it.
+                wait_until(lambda: http.get("/health").json()["waiting"] == 1, "the queueing")
+                during = http.get("/health").json()
+                assert not first.done() and not second.done()
+            finally:
+                holder.release.set()
+            replies = [first.result(), second.result()]
+        after = http.get("/health").json()
+    assert during["status"] == "ok" and during["decoded_tokens"] == before["decoded_tokens"]
+    assert [r.choices[0].message.content for r in replies] == alone  # holding changes nothing
+    assert holder.prompts == [template_ids(target, p) for p in prompts]  # first come first served
+    decoded = sum(r.usage.completion_tokens for r in replies)
+    assert after["waiting"] == 0 and after["decoded_tokens"] == before["decoded_tokens"] + decoded
+
+
 def test_concurrent_streams_each_equal_the_request_run_alone(client, url):
+    # What a reply is does not depend on the requests beside it (responsiveness meanwhile:
+    # the test above).
     prompts = [[f"client {c} request {r}" for r in range(4)] for c in range(8)]  # 8 clients x 4
     alone = {p: chat(client, p).choices[0].message.content for ps in prompts for p in ps}
-    health: list[float] = []
-    done = threading.Event()
-
-    def poll_health() -> None:
-        with httpx.Client(base_url=url, timeout=5) as http:
-            while not done.is_set():
-                start = time.monotonic()
-                assert http.get("/health").json()["status"] == "ok"
-                health.append(time.monotonic() - start)
-                time.sleep(0.02)
 
     def one_client(requests: list[str]) -> list[tuple[str, str]]:
         own = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         return [(p, "".join(streamed(own, p)[0])) for p in requests]
 
-    poller = threading.Thread(target=poll_health)
-    poller.start()
-    try:
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            results = [r for rs in pool.map(one_client, prompts) for r in rs]
-    finally:
-        done.set()
-        poller.join()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = [r for rs in pool.map(one_client, prompts) for r in rs]
     assert len(results) == sum(len(ps) for ps in prompts)
     assert all(text == alone[p] for p, text in results)
-    assert health and max(health) < 2.0  # the event loop never waited on a decode
 
 
 def test_client_leaving_mid_stream_stops_its_decode(client, url):
@@ -280,7 +345,7 @@ def test_pool_takes_the_longest_prefix_and_keeps_to_its_budget(models):
     assert pool.idle == [two] and pool.cache_bytes == session_bytes(two)
     pool.budget_bytes = 0  # room for none: even the one just used is emptied
     pool.give_back(pool.take(second))
-    assert pool.cache_bytes == 0 and pool.idle[0].cached == []
+    assert pool.cache_bytes == 0 and pool.idle[0].target.cached == []
 
 
 def test_interleaved_conversations_keep_a_session_each(models):
@@ -297,7 +362,7 @@ def test_interleaved_conversations_keep_a_session_each(models):
         pool.give_back(sessions[name])
     assert sessions["a"] is not sessions["b"]
     for name in ("a", "b"):
-        next_turn = sessions[name].cached + [30, 31]
+        next_turn = sessions[name].target.cached + [30, 31]
         assert pool.take(next_turn) is sessions[name]
 
 
@@ -330,15 +395,14 @@ def test_serve_command_starts_and_answers(tmp_path):
         assert found, "".join(seen)
         assert any("localhost" in line for line in [*seen, process.stderr.readline()])
         base = found[1]
-        deadline = time.monotonic() + 20
-        while True:
+
+        def answers() -> bool:
             try:
-                health = httpx.get(f"{base}/health")
-                break
+                return httpx.get(f"{base}/health").json()["status"] == "ok"
             except httpx.ConnectError:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-        assert health.json()["status"] == "ok"
+                return False
+
+        wait_until(answers, "an answer from /health")
         assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == "tiny"
     finally:
         process.terminate()
