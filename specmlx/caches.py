@@ -12,10 +12,10 @@ again, a pass over n + 1 tokens that a rejection costs. A sliding window right a
 pass over several tokens is still in time order, so there it is cut instead, at no cost.
 A kind not known here is refused for speculation (`check_rollback`), never guessed at.
 
-MLX's CUDA backend (0.32.4) builds attention kernels per shape: a target pass over 3 new
-tokens costs ~8 ms at a KV length it has seen and ~70 ms at a new one, and a growing
+MLX's CUDA backend (0.32.4) builds attention kernels per shape: a target pass over a few
+new tokens costs several times more at a KV length it has not seen, and a growing
 context is always new, so on that backend every verify pass paid the build and
-speculation lost 4-5x (bench/results/gpu_h200.md). PaddedKVCache makes a pass over several
+speculation lost (bench/results/gpu_h200.md). PaddedKVCache makes a pass over several
 tokens see the whole buffer, which grows in steps of 256 positions, with a mask that
 hides its unused tail: their KV length then changes once per 256 tokens. Masked positions get zero
 weight, so the result is the same up to float rounding (tested against mlx-lm's cache).

@@ -89,13 +89,16 @@ class Target:
 
     @property
     def verifies_trees(self) -> bool:
+        """Whether a tree is verified whole: where every layer's cache trims exactly, so
+        its kept path can be compacted and the rest cut."""
         return trims_exactly(self.cache)
 
     @property
     def pipelines(self) -> bool:
         """Whether plain passes are queued ahead: only where a trim rolls the cache back
-        (the others checkpoint and rewind around every pass)."""
-        return trims_exactly(self.cache)
+        (the others checkpoint and rewind around every pass). Read once a call: the
+        layers' kinds do not change within one."""
+        return self._trims
 
     def start(
         self,
@@ -111,6 +114,7 @@ class Target:
             self.model, self.cache, self.cached, prompt, progress, self.prompt_snapshot
         )
         self.prompt_snapshot = snapshot(self.cache, self.cached)
+        self._trims = trims_exactly(self.cache)
         self.params, self.vocab_size = params, vocab_size
         self.verifier = make_verifier(params, vocab_size)
         self.draw = make_sampler(params, vocab_size)

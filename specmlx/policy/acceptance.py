@@ -12,11 +12,11 @@ PRIOR_WEIGHT = 1.0  # how many drafts' worth of evidence that guess counts as
 # drafts' worth: a position seen a few times leans on the rest, one seen often speaks.
 POSITION_PRIOR = 2.0
 # How much of a judged draft's evidence one plain step's top target probability counts
-# as. It forecasts agreement at its position well (bench/results/confidence_agreement.md:
-# at ≥ 0.99, 258 of 258), and a start must come early: on this CPU's INT4 kernel a draft
-# that starts at a 48-token reply's tenth token has its catch-up to pay back first.
-# bench/schedule_sim.py: at 0.5 auto drafts code too late to gain (1.01x, best fixed γ
-# 1.09x), at 2 it gains 1.09-1.11x and loses nothing on prose or short replies.
+# as. It forecasts agreement at its position well (bench/results/confidence_agreement.md),
+# and a start must come early: where a pass over many tokens costs several one-token
+# passes, a draft that starts late in a short reply has its catch-up to pay back first.
+# The policy's replay (bench/results/ARCHIVE.md, 'schedule_sim.py') found lower weights
+# start drafting code too late to gain, and this one losing nothing on prose.
 CONFIDENCE_WEIGHT = 2.0
 # The calibration of confidence to acceptance is kept per band of top probability (upper
 # edges; the last band runs to 1): at T = 1 the top under-forecasts acceptance where the

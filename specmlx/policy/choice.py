@@ -20,14 +20,13 @@ its text is forecast to pay, with no look at a guess, and draft evidence ages wi
 text (a reply moves from prose into code). Drafting then goes on while the forecast stays
 near even (hysteresis). Where the forecast says no, plain decoding still looks now and
 then, in case the draft does better than the target's confidence says, once the rounds
-since can afford the look. A look drafts as many tokens as learn α most cheaply: one on
-this CPU's INT4 kernel, where each extra verified token costs a quarter of a pass, more
-where the cost curve is flat. A model draft that sat out must first catch up on every
+since can afford the look. A look drafts as many tokens as learn α most cheaply: one where
+each extra verified token costs a good share of a pass, more where the cost curve is flat. A model draft that sat out must first catch up on every
 token it missed: cheap where a pass over many tokens costs about one (a fast BLAS, a
 GPU), several target passes where it does not, so how often it looks follows the cost
 curve. Its first catch-up in a call is the prompt: a draft that never drafts never takes
 it, so a long prompt with a short reply is decoded plain (or by prompt lookup, which
-takes nothing). bench/schedule_sim.py replays this policy on synthetic texts.
+takes nothing). Its replay on synthetic texts: bench/results/ARCHIVE.md, 'schedule_sim.py'.
 
 Within a round the draft's own confidence decides how far it goes: after each draft
 pass, the next draft is made only while its expected yield (the chance that every draft
@@ -47,8 +46,8 @@ from .costs import FIRST_BACKOFF, Costs
 
 # Prompt lookup's guess weighs more: its drafts come in bursts (a copied span passes
 # whole, then the match runs out), so one miss says little about the next match, and a
-# look costs only the verify's extra tokens. At 1, a summary's first miss left lookup
-# plain for 3 rounds, and again after each later miss (10 plain rounds of 24, seen).
+# look costs only the verify's extra tokens. At the model's weight, a summary's first miss
+# left lookup plain for several rounds, and again after each later miss.
 LOOKUP_PRIOR_WEIGHT = 4.0
 # Draft length of the round that first measures the draft's cost and T(k), and the
 # longest look at a text's α (probe_length picks the cheapest up to it).
@@ -98,7 +97,7 @@ class Scheduler:
 
     def start_call(self, sampled: bool = False) -> None:
         """A new generate() call: a new text, whose acceptance is learnt afresh (a question
-        after code must not start from the code's α: γ = 8 on prose, seen)."""
+        after code must not start from the code's α, or it drafts long rounds on prose)."""
         self.sampling = "sampled" if sampled else "greedy"
         weight = LOOKUP_PRIOR_WEIGHT if self.free_drafts else PRIOR_WEIGHT
         self.acceptance = Acceptance(PRIOR_ALPHA * weight, weight, calibration=self.calibration)
@@ -194,9 +193,9 @@ class Scheduler:
     ) -> bool:
         """Whether drafting beats plain decoding by `need` over the rest of the call. A
         draft model first takes what it has not seen: the prompt, in a call's first
-        drafting round, and what it missed while it sat out. On this CPU's INT4 kernel a
-        pass over 20 tokens costs 3 target steps, more than drafting the rest of a
-        48-token reply can win back (auto 0.89x on code at T = 1, seen)."""
+        drafting round, and what it missed while it sat out. Where a pass over many tokens
+        costs several one-token passes, that can cost more than drafting the rest of a
+        short reply wins back."""
         if best < need * plain:  # the margin is for the forecast's noise
             return False
         catch_up = self.catch_up(behind)  # a known cost: no margin
@@ -217,7 +216,8 @@ class Scheduler:
         """The draft length that learns α most cheaply: where some length is expected to
         pay, the one that pays best; else the least loss per draft the target judges (a
         rejection ends the judging, so at low α a long probe costs more and tells little
-        more: on this CPU's INT4 kernel one draft, on a flat cost curve three)."""
+        more: one draft where each verified token costs a good share of a pass, three on a
+        flat cost curve)."""
         behind = self.rounds_since_probe if behind is None else behind
         loss = {g: self.probe_loss(g, behind) for g in range(1, longest + 1)}
         paying = [g for g, lost in loss.items() if lost <= 0]
@@ -308,7 +308,7 @@ class Scheduler:
         (forecast from the draft's tops: a sure draft is seldom wrong, an unsure one
         often) and it passes too (its position's α). It goes on while that yield beats
         plain decoding's for the same time: a round whose drafts turn unsure stops there,
-        where on this CPU's INT4 kernel three drafts that do not pass cost two plain steps."""
+        where drafts that do not pass would cost more than the plain steps they replace."""
         i = len(draft_tops)
         chance = prod(self.forecast(top, DRAFT) for top in draft_tops)
         alpha = self.acceptance.by_position(i + 1)[i]

@@ -22,7 +22,7 @@ from .acceptance import BANDS
 
 WINDOW = 16  # recent ratios kept per figure
 # Clean draft passes timed before the draft's cost is priced: with one, a pass timed in a
-# burst of load (0.93 of T(1) where it is 0.48) priced drafting out for a whole bench run,
+# burst of load (nearly twice its usual ratio) priced drafting out for a whole bench run,
 # whose cost probes never time the draft again.
 DRAFT_FIGURES = 3
 # Plain steps (after the process's first) that T(1) needs before any ratio is taken to
@@ -37,7 +37,7 @@ SETTLE = 3
 COSTS_FORMAT = 4
 # The pair's own figures at a k that retire a kin's there: until then its price there is
 # at most the line through its own figures, so that a kin's dear figure is measured again
-# (T(9)/T(1) 4.85 borrowed from AVX2 kept lookup short for good where AVX-512's is 2.85).
+# (an AVX2 machine's dear T(9) borrowed on an AVX-512 one kept lookup short for good).
 OWN_FIGURES = 3
 FIRST_BACKOFF = 32  # plain rounds before the first cost-only probe; doubles after each
 
@@ -53,8 +53,8 @@ class Costs:
     how far the target's confidence forecasts this pair's acceptance (`calibration`).
 
     T(1) itself is the median of this process's recent plain steps but its first, which
-    pays one-time work (weights read or expanded on first use, compiles): 0.45 s against
-    0.15 s after, on this CPU. A T(1) from the cache (another run) only stands in until then.
+    pays one-time work (weights read or expanded on first use, compiles), several times a
+    later step. A T(1) from the cache (another run) only stands in until then.
     """
 
     plain: list[float] = field(default_factory=list)  # this process's plain steps, seconds
@@ -65,8 +65,8 @@ class Costs:
     # "sampled") and whose top it is (the target's at a plain step or in the verify; the
     # draft's, " draft" appended), per band of BANDS: [drafts accepted, their top
     # probabilities summed], decayed. Kept with the costs, across calls and runs: a call
-    # that starts from no evidence rarely drafts at T = 1 and so never learns it (a
-    # Session per call: auto 1.03x on sampled code where γ = 4 gained 1.19x).
+    # that starts from no evidence rarely drafts at T = 1 and so never learns it (with a
+    # Session per call, auto fell well short of a fixed γ on sampled code).
     calibration: dict[str, list[list[float]]] = field(default_factory=dict)
     rewind: list[float] = field(default_factory=list)  # a rewound rejection / T(1) seen
     # Cost-only probes where drafting is hopeless: plain rounds since the last, and how
@@ -120,7 +120,7 @@ class Costs:
 
     def _changed(self) -> None:
         """Forget the figures read from the samples. Each choice reads them dozens of
-        times (0.3 ms a plain round in medians, 0.2% of a step on this CPU), and they
+        times (medians over the windows, every plain round), and they
         change only here: the samples are to be changed through observe_* alone."""
         for name in ("t1", "slope", "own_slope", "draft_ratio", "_ratios"):
             self.__dict__.pop(name, None)

@@ -109,9 +109,7 @@ def decode(job: Job, pool: SessionPool) -> Finished:
     """Run one Job on the Session that holds the longest prefix of its prompt."""
     session = pool.take(job.ids)
     try:
-        gen = generate(
-            session.model, job.ids, draft=session.draft, session=session, **job.settings
-        )
+        gen = generate(session.model, job.ids, draft=session.draft, session=session, **job.settings)
         stop = StopText(job.stops)
         pieces, shown, cut = [], 0, False
 
