@@ -9,10 +9,11 @@ still equals the target's; only acceptance can drop, where the target's token li
 
 Which tokens: those of a counted table for the draft's tokenizer first (TABLE, keyed by
 the SHA-256 of its tokenizer.json: counts of a target's greedy tokens on tune prompts,
-written by draft_head.py, whose last commit bench/results/ARCHIVE.md names), then the rest in token id order (byte-level BPE ids
-follow merge order, roughly frequency, but chat answers' code fence ``` is id 73,594 of
-Qwen2's), and every special token (EOS among them) always in, so the draft can propose
-the end. bench/results/draft_head.md has coverage, acceptance and pass time per N.
+written by draft_head.py, whose last commit bench/results/ARCHIVE.md names), then the
+rest in token id order (byte-level BPE ids follow merge order, roughly frequency, but
+chat answers' code fence ``` is id 73,594 of Qwen2's), and every special token (EOS
+among them) always in, so the draft can propose the end. bench/results/draft_head.md has
+coverage, acceptance and pass time per N.
 """
 
 from __future__ import annotations

@@ -15,18 +15,19 @@ one outlier cannot lock a draft length out. The choice depends on ratios and α 
 what the target accepted. Plain rounds cost nothing to read: the target's own top
 probability at each step forecasts whether a draft would have passed there (a draft of
 the same family agrees with the target about as often as the target is sure: 0.98 on
-code, 0.6 on prose, bench/results/confidence_agreement.md). So a call starts drafting when
-its text is forecast to pay, with no look at a guess, and draft evidence ages with the
-text (a reply moves from prose into code). Drafting then goes on while the forecast stays
-near even (hysteresis). Where the forecast says no, plain decoding still looks now and
-then, in case the draft does better than the target's confidence says, once the rounds
-since can afford the look. A look drafts as many tokens as learn α most cheaply: one where
-each extra verified token costs a good share of a pass, more where the cost curve is flat. A model draft that sat out must first catch up on every
-token it missed: cheap where a pass over many tokens costs about one (a fast BLAS, a
-GPU), several target passes where it does not, so how often it looks follows the cost
-curve. Its first catch-up in a call is the prompt: a draft that never drafts never takes
-it, so a long prompt with a short reply is decoded plain (or by prompt lookup, which
-takes nothing). Its replay on synthetic texts: bench/results/ARCHIVE.md, 'schedule_sim.py'.
+code, 0.6 on prose, bench/results/confidence_agreement.md). So a call starts drafting
+when its text is forecast to pay, with no look at a guess, and draft evidence ages with
+the text (a reply moves from prose into code). Drafting then goes on while the forecast
+stays near even (hysteresis). Where the forecast says no, plain decoding still looks now
+and then, in case the draft does better than the target's confidence says, once the
+rounds since can afford the look. A look drafts as many tokens as learn α most cheaply:
+one where each extra verified token costs a good share of a pass, more where the cost
+curve is flat. A model draft that sat out must first catch up on every token it missed:
+cheap where a pass over many tokens costs about one (a fast BLAS, a GPU), several target
+passes where it does not, so how often it looks follows the cost curve. Its first
+catch-up in a call is the prompt: a draft that never drafts never takes it, so a long
+prompt with a short reply is decoded plain (or by prompt lookup, which takes nothing).
+Its replay on synthetic texts: bench/results/ARCHIVE.md, 'schedule_sim.py'.
 
 Within a round the draft's own confidence decides how far it goes: after each draft
 pass, the next draft is made only while its expected yield (the chance that every draft
