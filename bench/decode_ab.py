@@ -1,4 +1,4 @@
-"""Whole plain decode of two builds, checkpoints or settings against each other, as a user runs it.
+"""Whole decode of two builds, checkpoints or settings against each other, as a user runs it.
 
 One process a run, the variants alternating (the order reversed every other repeat), so
 that a change to the kernel or to a checkpoint is measured as a user sees it, from load
@@ -7,13 +7,16 @@ to the last token.
     python -m bench decode_ab --variant base=- --variant packed=/tmp/var/packed --repeat 7
     python -m bench decode_ab --variant h8=-:$M/q15-h8 --variant h6=-:$M/q15-h6
     python -m bench decode_ab --variant packed=- --variant plain=- --env plain:SPECMLX_PACK=0
+    python -m bench decode_ab --variant new=- --variant old=/tmp/old --draft $M/DRAFT
 
 A variant is NAME=TREE[:MODEL]: TREE a copy of the repository (its `specmlx` package, with
 its own built extension, goes first on PYTHONPATH; `-` for the installed one), MODEL a
 model directory (default --model); --env NAME:KEY=VALUE sets a variable for one variant's
 runs. Each run loads the model, decodes 16 greedy tokens to
 warm up, then --tokens twice, and reports the faster of the two (tok/s) and a hash of its
-tokens. Prints each variant's median and its per-repeat ratios to the first variant's.
+tokens. With --draft, each run speculates with that draft model at auto γ (the warm-up
+too), so two engines' speculation is compared as a user runs it. Prints each variant's
+median and its per-repeat ratios to the first variant's.
 """
 
 from __future__ import annotations
@@ -33,21 +36,25 @@ import specmlx
 model = specmlx.load(sys.argv[1])
 model.tokenizer.eos_token_ids = set()
 ids = model.tokenizer.encode(sys.argv[3])
-specmlx.generate(model, ids, max_tokens=16, num_draft=0).run()
+draft = specmlx.load(sys.argv[4]) if sys.argv[4] != "-" else None
+run = dict(draft=draft, num_draft="auto" if draft else 0)
+specmlx.generate(model, ids, max_tokens=16, **run).run()
 best, tokens = 0.0, []
 for _ in range(2):
-    gen = specmlx.generate(model, ids, max_tokens=int(sys.argv[2]), num_draft=0).run()
+    gen = specmlx.generate(model, ids, max_tokens=int(sys.argv[2]), **run).run()
     best, tokens = max(best, gen.stats.tokens / gen.stats.decode_time), gen.tokens
 print(best, hashlib.sha256(str(tokens).encode()).hexdigest()[:8])
 """
 
 
-def run_once(tree: str, model: str, extra: dict, tokens: int) -> tuple[float, str]:
+def run_once(
+    tree: str, model: str, extra: dict, tokens: int, draft: str = "-"
+) -> tuple[float, str]:
     env = dict(os.environ, **extra)
     if tree != "-":
         env["PYTHONPATH"] = str(Path(tree).resolve())
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, model, str(tokens), PROMPT],
+        [sys.executable, "-c", CHILD, model, str(tokens), PROMPT, draft],
         capture_output=True,
         text=True,
         env=env,
@@ -66,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--env", action="append", default=[], help="NAME:KEY=VALUE")
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--draft", default="-", help="a draft model: auto γ speculation")
     args = parser.parse_args(argv)
     if args.model is None:
         from specmlx.paths import home
@@ -85,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def run(name: str):
         def once(r: int) -> tuple[float, str]:
-            rate, digest = run_once(*variants[name], args.tokens)
+            rate, digest = run_once(*variants[name], args.tokens, args.draft)
             print(f"repeat {r + 1}: {name} {rate:.2f} tok/s (tokens {digest})", flush=True)
             return rate, digest
 
