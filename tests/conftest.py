@@ -71,7 +71,7 @@ def tiny_pair(tmp_path_factory):
 def int8_activations():
     """The native kernel's default mode, int8 x (the suite runs float32 x: see above)."""
     if not native.available():
-        pytest.skip(native.reason())
+        pytest.skip(f"int8 activations are the native kernel's, unavailable: {native.reason()}")
     before = native.activations()
     native.set_activations("int8")
     yield
