@@ -213,7 +213,8 @@ def test_unavailable_kernel_falls_back(monkeypatch):
 
 
 @linux_x86
-def test_version_guard(tmp_path):
+def test_version_guard(tmp_path, monkeypatch):
+    monkeypatch.delenv("SPECMLX_NATIVE", raising=False)  # its refusal would come first
     (tmp_path / native.BUILD_INFO).write_text(json.dumps({"mlx": "0.31.2"}))
     ext, why = native._load(tmp_path, mlx_version="0.32.4")
     assert ext is None
@@ -222,6 +223,7 @@ def test_version_guard(tmp_path):
 
 @linux_x86
 def test_missing_or_broken_build(tmp_path, monkeypatch):
+    monkeypatch.delenv("SPECMLX_NATIVE", raising=False)  # set later, by this test
     ext, why = native._load(tmp_path)
     assert ext is None and "not built" in why
     (tmp_path / native.BUILD_INFO).write_text(json.dumps({"mlx": mx.__version__}))
