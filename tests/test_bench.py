@@ -693,3 +693,15 @@ def test_plot_without_matplotlib_is_a_clear_error(bench_run, monkeypatch, tmp_pa
         main(["bench", "--quick", "--plot", str(tmp_path / "x.png")])
     assert exit_info.value.code == 2
     assert "error: --plot needs matplotlib" in capsys.readouterr().err
+
+
+def test_results_record_paths_under_specmlx_home_without_the_machines_directories(
+    tmp_path, monkeypatch
+):
+    from specmlx.paths import portable
+
+    monkeypatch.setenv("SPECMLX_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert portable(tmp_path / "home" / "models" / "m") == "$SPECMLX_HOME/models/m"
+    assert portable(tmp_path / "out" / "r.json") == "out/r.json"
+    assert portable("/elsewhere/r.json") == "/elsewhere/r.json"

@@ -21,6 +21,7 @@ import mlx.core as mx
 from .. import __version__
 from ..cpu import describe as native_describe
 from ..loading import Model, backend
+from ..paths import portable
 
 THREAD_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "LD_PRELOAD")
 
@@ -144,7 +145,7 @@ def machine_info() -> dict:
 
 def describe_model(model: Model) -> dict:
     return {
-        "path": str(model.path),
+        "path": portable(model.path),
         "name": model.name,
         "model_type": model.config.get("model_type"),
         "dtype": model.dtype,

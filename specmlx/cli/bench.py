@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from ..paths import portable
 from . import app, options
 
 # --quick: a few short prompts, few tokens, one γ, greedy: minutes, not hours, on a slow CPU
@@ -335,12 +336,12 @@ def bench(
         cold_start=timings,
         progress=progress,
     )
-    result["argv"] = sys.argv
+    result["argv"] = [portable(arg) for arg in sys.argv]
     result["label"] = label
     # Every resolved setting spelled out, so the run can be repeated whatever the defaults become.
     parts = [
         "specmlx bench",
-        f"--model {target.path} --draft {drafter.path} --dtype {dtype}",
+        f"--model {portable(target.path)} --draft {portable(drafter.path)} --dtype {dtype}",
         f"--cpu-weights {cpu_weights}",
         f"--gamma {','.join(str(g) for g in gammas)}",
         f"--draft-mode {','.join(draft_modes)}" if draft_modes != ["auto"] else "",
@@ -358,7 +359,7 @@ def bench(
         "--control" if control else "",
         f"--mlx-lm-gamma {mlx_lm_gamma}" if mlx_lm_gamma and mlx_lm else "",
         "" if warmup else "--no-warmup",
-        f"--suite-dir {suite_dir}" if suite_dir else "",
+        f"--suite-dir {portable(suite_dir)}" if suite_dir else "",
     ]
     result["command"] = " ".join(part for part in parts if part)
     result["settings"].update(
