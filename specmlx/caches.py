@@ -27,7 +27,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -44,8 +44,15 @@ from mlx_lm.models.cache import (
 
 from .errors import SpecmlxError
 
-if TYPE_CHECKING:
-    from .loading import Model
+
+class Model(Protocol):
+    """What these functions use of a loaded model (specmlx.loading.Model): its module runs
+    the passes; its config and name go into a refusal."""
+
+    module: nn.Module
+    config: dict
+    name: str
+
 
 ENV = "SPECMLX_KV_PADDING"  # "1" always, "0" never, unset: where kernels are per shape
 
@@ -239,25 +246,44 @@ def _cut(c: RotatingKVCache, n: int) -> None:
     c.offset -= n
 
 
-def keep_rows(cache: list, start: int, rows: list[int], written: int) -> None:
-    """After a tree pass wrote `written` entries from position `start` on, keep the pass
-    rows `rows` (ascending), moved to the front, and drop the rest."""
-    index = mx.array([start + r for r in rows], mx.uint32)
+# Kinds a tree of drafts can be verified on in one pass and cut to its accepted path: those
+# that keep every position, and sliding windows, which a pass over several tokens leaves in
+# time order with the new entries last (see _cuttable).
+TREE_KINDS = (*EXACT_TRIM, RotatingKVCache)
+
+
+def verifies_trees(cache: list) -> bool:
+    return all(isinstance(c, TREE_KINDS) for c in layers(cache))
+
+
+def keep_rows(cache: list, rows: list[int], written: int) -> None:
+    """After a tree pass wrote `written` entries, the newest of each layer, keep those of
+    the pass rows `rows` (ascending), moved up to follow the entries before the pass, and
+    drop the rest."""
     moved = rows != list(range(len(rows)))
-
-    def gather(a):
-        if isinstance(a, (list, tuple)):
-            for part in a:
-                gather(part)
-        else:
-            a[..., start : start + len(rows), :] = mx.take(a, index, axis=2)
-
     for c in layers(cache):
+        # where the pass's entries start: a window holds them last, in time order
+        end = c._idx if isinstance(c, RotatingKVCache) else c.offset
+        start = end - written
         if moved:
-            gather(c.keys)
-            gather(c.values)
-        if c.trim(written - len(rows)) != written - len(rows):
+            index = mx.array([start + r for r in rows], mx.uint32)
+            for a in _arrays((c.keys, c.values)):
+                a[..., start : start + len(rows), :] = mx.take(a, index, axis=2)
+        dropped = written - len(rows)
+        if isinstance(c, RotatingKVCache):
+            if dropped and not _cuttable(c, dropped):
+                raise SpecmlxError("internal: a tree's window could not be cut to its path")
+            if dropped:
+                _cut(c, dropped)
+        elif c.trim(dropped) != dropped:
             raise SpecmlxError("internal: a tree's cache could not be cut to its kept path")
+
+
+def _arrays(state) -> list:
+    """The arrays of a layer's keys and values (a quantized cache keeps three each)."""
+    if isinstance(state, (list, tuple)):
+        return [a for part in state for a in _arrays(part)]
+    return [state]
 
 
 PREFILL_STEP = 512  # tokens per prefill chunk: bounds the activations' memory

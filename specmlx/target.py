@@ -6,10 +6,11 @@ queues ahead. The engine asks it for one of two things a round:
 
 - `verify(last, proposal, key)`: ONE pass over [last emitted token, *drafts], the drafts
   a chain or a tree (specmlx.tree); accept/reject on the device; the cache keeps exactly
-  the accepted path. A tree needs a cache that trims exactly (a tree mask and per-node
-  positions in the pass, then the kept entries compacted); elsewhere, and at temperature
-  > 0 (multi-candidate rejection sampling is not built yet), its first path is verified
-  as a chain, which is exact, and the Verdict says so.
+  the accepted path. A tree runs with a tree mask and each node at its depth's position,
+  and its kept entries are compacted, on every attention cache (caches.TREE_KINDS); on a
+  recurrent state, and at temperature > 0 (multi-candidate rejection sampling is not
+  built yet), its first path is verified as a chain, which is exact, and the Verdict
+  says so.
 - `step(last, key, next_key, room)`: one plain pass. While Python handles its token the
   device may already compute the next plain pass (as mlx-lm's generate_step does): it is
   built before the token is read and run only once `next_round` learns that the next
@@ -26,6 +27,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.cache import RotatingKVCache
 
 from . import tree
 from .caches import (
@@ -40,6 +42,7 @@ from .caches import (
     sync_cache,
     trims_exactly,
     unrollable,
+    verifies_trees,
 )
 from .errors import SpecmlxError
 from .heads import body_and_head, cuttable
@@ -89,9 +92,9 @@ class Target:
 
     @property
     def verifies_trees(self) -> bool:
-        """Whether a tree is verified whole: where every layer's cache trims exactly, so
-        its kept path can be compacted and the rest cut."""
-        return trims_exactly(self.cache)
+        """Whether a tree is verified whole: where every layer's cache can have its kept
+        path compacted and the rest cut (caches.TREE_KINDS); not a recurrent state."""
+        return verifies_trees(self.cache)
 
     @property
     def pipelines(self) -> bool:
@@ -180,8 +183,7 @@ class Target:
         as_chain = not proposal.is_chain and not (self.verifies_trees and self.params.greedy)
         if as_chain:
             proposal = proposal.along(tree.first_path(proposal.parents))
-        saved = checkpoint(self.cache)
-        before = len(self.cached)
+        saved = checkpoint(self.cache) if proposal.is_chain else None
         x = mx.concatenate([mx.array([last], mx.uint32), proposal.tokens])
         if proposal.is_chain:
             logits, hidden = self._forward(x)
@@ -203,7 +205,7 @@ class Target:
             rerun = rewind(self.model, self.cache, saved, kept, len(drafts) - len(path))
         else:
             rerun = 0
-            keep_rows(self.cache, before, [0, *(j + 1 for j in path)], len(x))
+            keep_rows(self.cache, [0, *(j + 1 for j in path)], len(x))
         self.cached += kept
         rows = [0, *(j + 1 for j in path)]
         return Verdict(
@@ -238,8 +240,9 @@ class Target:
         ancestry = mx.array(tree.ancestry(parents))
         every = layers(self.cache)
         owners = rope_owners(self.model.module)
+        dtype = getattr(mx, self.model.dtype)
         for c in every:
-            c.make_mask = _tree_mask(c, depths, ancestry)
+            c.make_mask = _tree_mask(c, depths, ancestry, dtype)
         for owner in owners:
             owner["rope"] = _TreeRoPE(owner["rope"], depths)
         try:
@@ -294,16 +297,25 @@ class _TreeRoPE(nn.Module):
         return mx.concatenate(parts, axis=-2)
 
 
-def _tree_mask(c, depths: list[int], ancestry: mx.array):
+def _tree_mask(c, depths: list[int], ancestry: mx.array, dtype: mx.Dtype):
     """A cache layer's make_mask for a tree pass: each row sees the cached positions a
-    chain row at its depth would see (windows included), and its own ancestors."""
+    chain row at its depth would see (windows included), and its own ancestors. A sliding
+    window's mask is additive, in the model's dtype: a boolean one of its shape is read
+    by the native attention op as a plain window, which a tree's rows are not."""
     own = type(c).make_mask
-    start = c.offset
+    window = isinstance(c, RotatingKVCache)
+    depth = mx.array(depths)
 
     def make_mask(n: int, return_array: bool = False, window_size: int | None = None):
-        base = own(c, n, return_array=True, window_size=window_size)[mx.array(depths)]
-        base[:, start : start + n] = ancestry
-        return base
+        base = own(c, n, return_array=True, window_size=window_size)[depth]
+        start = base.shape[1] - n if window else c.offset  # where the pass's own rows are
+        near = ancestry
+        if window_size is not None:  # an ancestor further back than the window is out
+            near = near & (depth[:, None] - depth[None, :] < window_size)
+        base[:, start : start + n] = near
+        if not window:
+            return base
+        return mx.where(base, mx.array(0, dtype), mx.array(-mx.inf, dtype))
 
     return make_mask
 

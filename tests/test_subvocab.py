@@ -20,14 +20,13 @@ from stats_util import ALPHA, chi_square_pvalue, exact_joint
 import specmlx
 from specmlx.cpu.quantized import patch_model
 from specmlx.drafters import subvocab
-from specmlx.drafters.model import ModelDrafter
+from specmlx.drafters.model import ModelDrafter, model_drafter
 from specmlx.drafters.protocol import cost_id
 from specmlx.drafters.subvocab import (
     ENV,
     SubHead,
     always_in,
     draft_size,
-    model_drafter,
     sub_head,
     sub_vocab,
     token_order,

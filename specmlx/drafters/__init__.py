@@ -124,7 +124,7 @@ register(
 register(
     DrafterKind(
         "model",
-        _lazy("subvocab", "make"),
+        _lazy("model", "make"),
         "a smaller model with the target's tokenizer, its head cut to frequent tokens",
         needs_model=True,
         rollback="its own cache, trimmed or rewound like the target's",

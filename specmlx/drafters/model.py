@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from functools import partial
-from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
@@ -12,6 +11,7 @@ import numpy as np
 from ..caches import (
     PREFILL_STEP,
     align_cache,
+    check_rollback,
     checkpoint,
     make_cache,
     prefill,
@@ -24,9 +24,7 @@ from ..cpu import softmax
 from ..loading import Model
 from ..verify import top_probability
 from .protocol import Draw, GoOn, Proposal, Verdict
-
-if TYPE_CHECKING:
-    from .subvocab import SubHead
+from .subvocab import SubHead, draft_size, shared_sub_head
 
 
 class ModelDrafter:
@@ -173,3 +171,22 @@ class ModelDrafter:
         prefill(self.model, self.cache, tokens)
         self.cached += tokens
         self.prompt_left = max(0, self.prompt_left - n)
+
+
+def model_drafter(model: Model, width: int) -> ModelDrafter:
+    """The draft model's drafter: with the head cut to draft_size's tokens where that is
+    set, else its full head. `width`: the vocabulary verify compares over."""
+    size = draft_size(model)
+    # A target with fewer tokens than the draft: the full head (the draw cuts its logits).
+    if size is None or width < model.vocab_size:
+        return ModelDrafter(model, width)
+    return ModelDrafter(model, width, shared_sub_head(model, size, width))
+
+
+def make(draft: Model | None, width: int) -> ModelDrafter | None:
+    """The registered factory: the draft model's drafter, None without a draft model.
+    Its cache must roll back exactly like the target's (caches.check_rollback)."""
+    if draft is None:
+        return None
+    check_rollback(draft)
+    return model_drafter(draft, width)

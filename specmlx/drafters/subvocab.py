@@ -31,11 +31,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..caches import check_rollback
 from ..errors import SpecmlxError
 from ..heads import cuttable, head_layer
 from ..loading import Model
-from .model import ModelDrafter
 
 # The default size (None: the full head), by measurement: bench/results/draft_head.md.
 DEFAULT_SIZE: int | None = 65536
@@ -165,22 +163,3 @@ def shared_sub_head(model: Model, size: int, width: int) -> SubHead:
     head = sub_head(model, sub_vocab(model, size), width)
     _heads[key] = (weakref.ref(model, forget), head)
     return head
-
-
-def model_drafter(model: Model, width: int) -> ModelDrafter:
-    """The draft model's drafter: with the head cut to draft_size's tokens where that is
-    set, else its full head. `width`: the vocabulary verify compares over."""
-    size = draft_size(model)
-    # A target with fewer tokens than the draft: the full head (the draw cuts its logits).
-    if size is None or width < model.vocab_size:
-        return ModelDrafter(model, width)
-    return ModelDrafter(model, width, shared_sub_head(model, size, width))
-
-
-def make(draft: Model | None, width: int) -> ModelDrafter | None:
-    """The registered factory: the draft model's drafter, None without a draft model.
-    Its cache must roll back exactly like the target's (caches.check_rollback)."""
-    if draft is None:
-        return None
-    check_rollback(draft)
-    return model_drafter(draft, width)
