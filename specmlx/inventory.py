@@ -195,12 +195,3 @@ def removable(name: str) -> Path:
     if path.is_symlink() or not path.is_dir():
         raise SpecmlxError(f"no model directory {name!r} in {root} (see `specmlx models`)")
     return path
-
-
-def human_size(size_bytes: int) -> str:
-    size = float(size_bytes)
-    for unit in ("B", "KiB", "MiB"):
-        if size < 1024:
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} GiB"

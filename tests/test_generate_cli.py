@@ -84,6 +84,26 @@ def test_the_stats_line_shows_autos_usual_gamma_and_the_rounds_cut_short():
     assert "γ auto→3 (3 of 4 rounds drafted, 1 cut short)" in stats_line(stats)
 
 
+def test_a_stats_line_of_one_token_says_token_not_tokens():
+    from specmlx.cli.report import stats_line
+    from specmlx.engine import Stats
+
+    line = stats_line(Stats(tokens=1, prompt_tokens=1, prefill_tokens=1))
+    assert line.startswith("1 token · ") and "prefill 1 new of 1 prompt token · " in line
+
+
+def test_the_memory_line_names_what_each_peak_counts(monkeypatch):
+    # 513.5 KiB beside 2.5 GiB is no contradiction once each says what it measures.
+    from specmlx.cli import report
+
+    peaks = {"peak_mlx_bytes": 525_824, "max_rss_bytes": 5 * 2**29}
+    monkeypatch.setattr(report, "memory", lambda: peaks)
+    assert report.memory_line() == (
+        "peak memory: MLX arrays 513.5 KiB (what MLX allocated; mapped weights are not) · "
+        "process 2.5 GiB (max RSS: all resident memory, mapped weights included)"
+    )
+
+
 def test_the_prompt_may_be_a_plain_argument(pair, home):
     args = [*pair, "-n", "4", "-g", "2", "--json"]
     as_flag = specmlx("generate", "-p", "def f(x):", *args, tmp_home=home)

@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..paths import portable
+from ..wording import counted, human_bytes
 from . import app, options
 
 # --quick: a few short prompts, few tokens, one γ, greedy: minutes, not hours, on a slow CPU
@@ -48,7 +49,7 @@ def render(result: dict, console: Console) -> None:
         )
         for col in (
             "mode", "tok/s", "speedup [min–max]", "total", "e2e", "α", "τ",
-            "draft", "prefill tok/s", "TTFT s", "peak MB", "greedy same",
+            "draft", "prefill tok/s", "TTFT s", "peak MiB", "greedy same",
         ):  # fmt: skip
             table.add_column(Text(col), justify="left" if col == "mode" else "right")
         for mode in modes:
@@ -129,7 +130,7 @@ def render(result: dict, console: Console) -> None:
     if retimed:
         worst = max(r["steal"] for r in retimed)
         console.print(
-            f"{len(retimed)} runs timed again: the hypervisor took over "
+            f"{counted(len(retimed), 'run')} timed again: the hypervisor took over "
             f"{result['settings']['steal_limit']:.0%} of the CPUs during their block "
             f"(up to {worst:.0%})",
             style="dim",
@@ -143,7 +144,7 @@ def render(result: dict, console: Console) -> None:
         f"CPU weights {result['models']['target'].get('cpu_weights') or '?'} · "
         f"cold start {_num(cold.get('cold_start_s'))} s (weights {_num(cold.get('weights_s'))}) "
         f"+ first call {_num(cold['first_call_wall_s'])} s"
-        f" · peak RSS {result['memory']['rss_peak_bytes'] / 2**20:.0f} MB · "
+        f" · peak RSS {human_bytes(result['memory']['rss_peak_bytes'])} · "
         f"run {_duration(result['duration_s'])}",
         style="dim",
         markup=False,
@@ -296,9 +297,9 @@ def bench(
     runs = len(chosen) * len(temps) * len(modes) * repeat
     times = f" × {repeat} repeats" if repeat > 1 else ""
     log(
-        f"{len(chosen)} prompts × {len(temps)} temperatures × {len(modes)} modes{times} = "
-        f"{runs} runs "
-        f"of ≤ {max_tokens} tokens; modes: {', '.join(m.name for m in modes)}"
+        f"{counted(len(chosen), 'prompt')} × {counted(len(temps), 'temperature')} × "
+        f"{counted(len(modes), 'mode')}{times} = {counted(runs, 'run')} "
+        f"of ≤ {counted(max_tokens, 'token')}; modes: {', '.join(m.name for m in modes)}"
     )
 
     def progress(event: dict) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields, replace
 from rich.console import Console
 
 from ..errors import SpecmlxError
+from ..wording import counted
 from . import app, options, progress, report, stream
 
 HELP = """\
@@ -364,13 +365,13 @@ def show_totals(session, convo: Conversation, totals: Totals, note) -> None:
     limit = session.model.config.get("max_position_embeddings")
     lines = [
         f"context {len(session.target.cached)}/{limit or '?'} tokens in the cache, "
-        f"{len(convo.messages) // 2} turns",
+        f"{counted(len(convo.messages) // 2, 'turn')}",
     ]
     for label, replies in (
         ("this conversation", totals.conversation),
         ("since chat started", totals.session),
     ):
-        count = f"{len(replies)} repl{'y' if len(replies) == 1 else 'ies'}"
+        count = counted(len(replies), "reply", "replies")
         lines += [f"{label}: {count}", *totals_lines(replies)]
     lines.append(report.memory_line())
     for line in lines:
@@ -381,9 +382,9 @@ def totals_lines(replies: list) -> list[str]:
     """The sums of some replies' stats, indented under the label they are shown with."""
     total = summed(replies)
     lines = [
-        f"  replies {total.tokens} tokens in "
+        f"  replies {counted(total.tokens, 'token')} in "
         f"{total.decode_time:.2f} s ({total.decode_tps:.1f} tok/s)",
-        f"  prefill {total.prefill_tokens} new of {total.prompt_tokens} prompt tokens "
+        f"  prefill {total.prefill_tokens} new of {counted(total.prompt_tokens, 'prompt token')} "
         f"(the rest came from the KV cache)",
     ]
     if total.drafted:

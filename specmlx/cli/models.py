@@ -12,6 +12,7 @@ from rich.table import Table
 
 from .. import inventory
 from ..errors import SpecmlxError
+from ..wording import human_bytes
 from . import app
 
 models_app = typer.Typer(
@@ -49,7 +50,7 @@ def models(
             e.name,
             e.where,
             e.model_type or "-",
-            inventory.human_size(e.size_bytes),
+            human_bytes(e.size_bytes),
             e.quantization,
             e.tokenizer or "-",
         )
@@ -103,7 +104,7 @@ def gguf(
     finally:
         if task is not None:
             bar.stop()
-    size = inventory.human_size(dest.stat().st_size)
+    size = human_bytes(dest.stat().st_size)
     print(f"wrote {dest} ({size}, sha256 {spec.sha256[:12]}… as pinned)")
 
 
@@ -114,7 +115,7 @@ def rm(
 ) -> None:
     """Delete one model directory from $SPECMLX_HOME/models."""
     path = inventory.removable(name)
-    size = inventory.human_size(inventory.directory_size(path))
+    size = human_bytes(inventory.directory_size(path))
     if not yes and not confirmed(f"remove {path} ({size})?"):
         print("nothing removed")
         raise typer.Exit(1)

@@ -125,6 +125,7 @@ def pick_auto_draft(model: str, log) -> str | None:
     """--draft auto: the smallest local model that shares the target's tokenizer (None:
     the target decodes alone), said in one line either way."""
     from .. import inventory
+    from ..wording import human_bytes
 
     entries = inventory.list_models()
     # A hub id is looked up in the cache the listing read: auto never goes online.
@@ -134,7 +135,7 @@ def pick_auto_draft(model: str, log) -> str | None:
     if picked is None:
         log("draft auto: no local model has the target's tokenizer; running the target alone")
         return None
-    size = inventory.human_size(picked.size_bytes)
+    size = human_bytes(picked.size_bytes)
     log(
         f"draft auto: picked {picked.name} ({size}), the smallest local model with the "
         "target's tokenizer"

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.text import Text
 
 from ..errors import SpecmlxError
+from ..wording import counted, human_bytes
 from . import app, progress
 
 
@@ -24,9 +25,9 @@ def format_line(bits: int, group_size: int, embed_bits: int) -> str:
 def summary_line(summary) -> str:
     parts = [
         f"{summary.parameters / 1e6:.1f} M parameters",
-        f"{summary.size_bytes / 2**20:.1f} MiB on disk",
+        f"{human_bytes(summary.size_bytes)} on disk",
         f"{summary.bits_per_weight:.3f} bits/weight",
-        f"{summary.shards} shard{'s' if summary.shards > 1 else ''}",
+        counted(summary.shards, "shard"),
         f"{summary.seconds:.1f} s",
     ]
     return " · ".join(parts)

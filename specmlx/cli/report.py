@@ -8,6 +8,7 @@ from __future__ import annotations
 import resource
 import sys
 
+from ..wording import counted, human_bytes
 from .started import STARTED_AT
 
 
@@ -15,14 +16,6 @@ def process_start() -> float:
     """Wall-clock time at which the interpreter began (not a shell that exec'd it: see
     started.py)."""
     return STARTED_AT
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GB"
 
 
 def weight_bytes(model) -> int:
@@ -45,10 +38,13 @@ def memory() -> dict:
 
 
 def memory_line() -> str:
+    """The two peaks, each named for what it counts: they differ by design (weights mapped
+    from their files are resident but never allocated by MLX), not by a measuring error."""
     mem = memory()
     return (
-        f"peak memory {human_bytes(mem['peak_mlx_bytes'])} (MLX) · "
-        f"max RSS {human_bytes(mem['max_rss_bytes'])}"
+        f"peak memory: MLX arrays {human_bytes(mem['peak_mlx_bytes'])} (what MLX allocated; "
+        f"mapped weights are not) · process {human_bytes(mem['max_rss_bytes'])} "
+        "(max RSS: all resident memory, mapped weights included)"
     )
 
 
@@ -130,7 +126,8 @@ def gamma_shown(stats) -> str:
         rounds = sum(stats.rounds_by_gamma.values())
         cut = f", {stats.cut_short} cut short" if stats.cut_short else ""
         usual = max(drafting, key=drafting.get)
-        return f"auto→{usual} ({sum(drafting.values())} of {rounds} rounds drafted{cut})"
+        drafted = sum(drafting.values())
+        return f"auto→{usual} ({drafted} of {counted(rounds, 'round')} drafted{cut})"
     return str(stats.gamma)
 
 
@@ -163,10 +160,10 @@ def stats_line(stats, plain: str = "plain decoding", stopped: bool = False) -> s
     """One line per reply: tokens, speed, TTFT, prefill, and the speculative numbers;
     `plain` says why, when no draft ran (see plain_note); `stopped`: at a stop string."""
     parts = [
-        f"{stats.tokens} tokens",
+        counted(stats.tokens, "token"),
         f"{stats.decode_tps:.1f} tok/s",
         f"TTFT {stats.ttft:.2f} s",
-        f"prefill {stats.prefill_tokens} new of {stats.prompt_tokens} prompt tokens",
+        f"prefill {stats.prefill_tokens} new of {counted(stats.prompt_tokens, 'prompt token')}",
     ]
     if stats.drafted:
         parts += [

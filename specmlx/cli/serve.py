@@ -36,7 +36,7 @@ def serve(
         help="Require this bearer token on /v1 requests (also SPECMLX_API_KEY).",
     ),
     cache_gb: float = typer.Option(
-        4.0, "--cache-gb", help="Memory for the KV caches kept between requests, in GB."
+        4.0, "--cache-gb", help="Memory for the KV caches kept between requests, in GiB."
     ),
 ) -> None:
     """Serve the model pair over an OpenAI-compatible HTTP API (chat and completions)."""
