@@ -23,7 +23,7 @@ from .errors import SpecmlxError
 from .loading import Model, backend, check_pair
 from .policy import AutoGamma, FixedGamma, Policy, RoundSummary, load_costs, save_costs
 from .policy.choice import Scheduler
-from .sampling import SamplingParams
+from .sampling import SamplingParams, position_keys
 from .settings import MAX_GAMMA, check_seed, check_settings
 from .target import Target, kernels
 
@@ -46,6 +46,7 @@ class Stats:
     gamma: int | str = 0  # as asked: an int, or "auto"
     draft_mode: str = "model"  # as asked (drafters.modes()), or the name of a user's drafter
     drafters: list[str] = field(default_factory=list)  # the drafters that ran in the call
+    sampling: str = "rejection"  # settings.SAMPLINGS: how drafts were judged at T > 0
     rounds_by_gamma: dict[int, int] = field(default_factory=dict)  # the γ actually used
     rounds_by_source: dict[str, int] = field(default_factory=dict)  # model/lookup/probe/plain
     cut_short: int = 0  # auto rounds the draft's own confidence ended before the γ chosen
@@ -259,6 +260,7 @@ def generate(
     num_draft: int | str = "auto",
     draft_mode: str | None = None,
     drafter: Drafter | None = None,
+    sampling: str | None = None,
     seed: int = 0,
     session: Session | None = None,
     on_prefill: Callable[[int, int], None] | None = None,
@@ -277,10 +279,15 @@ def generate(
     with a draft model, else "model" (plain decoding).
     drafter: any object implementing the drafter protocol (drafters/protocol.py), run
     alone in place of the registered ones.
+    sampling: at temperature > 0, "rejection" (modified rejection sampling) or "coupled"
+    (every position's randomness keyed by (seed, position): one text per seed, whatever
+    the rounds, equal to the target alone's); None: settings.DEFAULT_SAMPLING.
     on_prefill: called with (tokens done, tokens in all) as the target takes the prompt,
     chunk by chunk (see caches.prefill); not called when the caches already hold it.
     """
-    params, num_draft = check_settings(max_tokens, temperature, top_p, top_k, num_draft, draft_mode)
+    params, num_draft = check_settings(
+        max_tokens, temperature, top_p, top_k, num_draft, draft_mode, sampling
+    )
     check_seed(seed)
     if session is None:
         session = Session(target, draft)
@@ -298,6 +305,7 @@ def generate(
     def steps(gen: Generation) -> Iterator[Step]:
         gen.stats.gamma, gen.stats.draft_mode = num_draft if chosen else 0, mode
         gen.stats.drafters = [d.name for d in chosen]
+        gen.stats.sampling = "coupled" if params.coupled else "rejection"
         try:
             yield from _decode(session, ids, params, max_tokens, seed, policy, gen, on_prefill)
         except GeneratorExit:  # closed between steps: the caches hold what was emitted
@@ -337,24 +345,25 @@ def _decode(
     target, stats, text = session.target, gen.stats, _Text(session.model.tokenizer)
     drafters, start = [*policy.drafters, *policy.helpers], time.perf_counter()
     _prefill(session, ids, params, drafters, stats, on_prefill)
-    key, last, produced, prompt_s = mx.random.key(seed), ids[-1], 0, 0.0
+    keys, last, produced, prompt_s = _Keys(seed, params.coupled), ids[-1], 0, 0.0
     decode_start = time.perf_counter()
     plan = policy.plan(max_tokens)
     asked = min(plan.gamma, max_tokens - 1)  # a fully accepted round emits γ + 1 tokens
     while True:
-        key, round_key = mx.random.split(key)
-        _, next_key = mx.random.split(key)  # the round_key of the next round
+        round_key, draft_keys = keys.round(produced, asked)
         t0, proposal = time.perf_counter(), None
         if asked > 0:
-            draft_key, round_key = mx.random.split(round_key)
-            proposal = plan.drafter.propose(asked, draft_key, target.draw, plan.go_on)
+            proposal = _at_most(
+                asked, plan.drafter.propose(asked, draft_keys, target.draw, plan.go_on)
+            )
             mx.eval(proposal.tokens, proposal.q)
             prompt_s += proposal.prompt_s
             t1 = time.perf_counter()
             verdict = target.verify(last, proposal, round_key)
         else:
             t1 = time.perf_counter()
-            verdict = target.step(last, round_key, next_key, room=produced + 1 < max_tokens)
+            ahead = keys.plain(produced + 1)
+            verdict = target.step(last, round_key, ahead, room=produced + 1 < max_tokens)
         t2 = time.perf_counter()
         rerun = sum(d.commit(proposal if d is plan.drafter else None, verdict) for d in drafters)
         rewind_s = verdict.rewind_s + (time.perf_counter() - t2 if rerun else 0.0)
@@ -367,7 +376,7 @@ def _decode(
         if more:
             plan = policy.plan(left)
             asked = min(plan.gamma, left - 1)
-        target.next_round(more and asked == 0, last, next_key)
+        target.next_round(more and asked == 0, last, keys.plain(produced))
         policy.while_running()  # what the policy can learn with the next pass running
         for step in text.steps(verdict.emitted, verdict.accepted, max_tokens - stats.tokens):
             stats.tokens += 1
@@ -400,6 +409,46 @@ def _prefill(
     for drafter in drafters:
         drafter.start(ids)
     stats.prefill_time = time.perf_counter() - start
+
+
+def _at_most(asked: int, proposal: Proposal) -> Proposal:
+    """A proposal within what was asked: more drafts could run past max_tokens, or past
+    the keys drawn for the round."""
+    if proposal.tokens.shape[0] > asked:
+        raise SpecmlxError(
+            f"a drafter proposed {proposal.tokens.shape[0]} drafts where {asked} were asked; "
+            "a proposal (chain or tree) holds at most the g drafts asked"
+        )
+    return proposal
+
+
+class _Keys:
+    """Each round's random keys. Rejection sampling splits them from the seed round by
+    round; coupled sampling keys every output position by (seed, position) alone, so the
+    text does not depend on how the positions fell into rounds."""
+
+    def __init__(self, seed: int, coupled: bool):
+        self.key = mx.random.key(seed)
+        self.at = position_keys(seed) if coupled else None
+
+    def round(self, produced: int, asked: int) -> tuple[mx.array, mx.array | None]:
+        """(the round's key: a plain step's, or the verify's (one per position when
+        coupled); a key per draft, None for a plain round), `produced` tokens in."""
+        if self.at is not None:
+            keys = self.at(produced, asked + 1)
+            return (keys if asked else keys[0]), (keys[:asked] if asked else None)
+        self.key, round_key = mx.random.split(self.key)
+        if not asked:
+            return round_key, None
+        draft_key, round_key = mx.random.split(round_key)
+        return round_key, mx.random.split(draft_key, asked)
+
+    def plain(self, produced: int) -> mx.array:
+        """The key of a plain round that starts after the round now running, at
+        `produced` tokens in: built ahead, before that round is planned."""
+        if self.at is not None:
+            return self.at(produced, 1)[0]
+        return mx.random.split(self.key)[1]
 
 
 def _summary(

@@ -12,7 +12,9 @@ import mlx.core as mx
 
 from . import tree
 
-# draw(logits, key) -> (probs, token): the call's compiled sampler (probs None when greedy)
+# draw(logits, key) -> (probs, token): the call's compiled sampler (probs None when
+# greedy). Where `draw.full_width` is set (coupled sampling) it wants logits over the full
+# vocabulary, which a drafter over fewer tokens widens with -inf.
 Draw = Callable[[mx.array, mx.array], tuple[mx.array | None, mx.array]]
 # go_on(tops) -> bool: shown the drafter's own top probability at each draft made so far
 # in this round (it reads its own confidence); False ends the proposal there.

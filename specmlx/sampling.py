@@ -21,6 +21,9 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    # Coupled sampling (settings.SAMPLINGS): each output position's randomness is keyed by
+    # (seed, position), and a draft passes where it equals the target's own draw there.
+    coupled: bool = False
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -33,6 +36,46 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+# How tokens are drawn when speculating at temperature > 0 (settings.SAMPLINGS).
+# "rejection": modified rejection sampling (accept a draft with min(1, p/q), else
+# resample from the residual), which accepts the most drafts a draft can earn, its
+# randomness split round by round: a seed repeats a text only where the rounds repeat.
+# "coupled": the target draws each position's token by inverse CDF from uniforms keyed
+# by (seed, position), the draft from the same uniforms, and a draft passes where the two
+# draws agree; every token is the target's own draw, so a seed gives one text whatever
+# the rounds were, equal to the target alone's at that seed.
+#
+# The keys of each block of this many output positions come from one split, so a
+# position's key never depends on how many tokens the call asked for.
+KEYS_PER_BLOCK = 4096
+KEY_BLOCKS = 1024
+
+
+def position_keys(seed: int):
+    """keys(start, count) -> (count, 2): the random key of each output position from
+    `start` on, a function of (seed, position) alone."""
+    blocks = mx.random.split(mx.random.key(seed), KEY_BLOCKS)
+    made: dict[int, mx.array] = {}
+
+    def block(j: int) -> mx.array:
+        if j >= KEY_BLOCKS:
+            raise SpecmlxError(f"coupled sampling keys {KEYS_PER_BLOCK * KEY_BLOCKS} positions")
+        if j not in made:
+            made[j] = mx.random.split(blocks[j], KEYS_PER_BLOCK)
+        return made[j]
+
+    def keys(start: int, count: int) -> mx.array:
+        parts, t = [], start
+        while t < start + count:
+            j, i = divmod(t, KEYS_PER_BLOCK)
+            take = min(start + count - t, KEYS_PER_BLOCK - i)
+            parts.append(block(j)[i : i + take])
+            t += take
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
+    return keys
 
 
 def probabilities(logits: mx.array, params: SamplingParams) -> mx.array:

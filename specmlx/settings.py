@@ -52,6 +52,21 @@ def check_draft_mode(draft_mode: str | None) -> str | None:
     return check_mode(draft_mode)
 
 
+# How tokens are drawn at temperature > 0 while speculating (what each guarantees: the
+# comment above sampling.position_keys), and the default.
+SAMPLINGS = ("rejection", "coupled")
+DEFAULT_SAMPLING = "rejection"
+
+
+def check_sampling(sampling: str | None) -> str:
+    """The sampling as given (None: the default), or one line naming the choices."""
+    if sampling is None:
+        return DEFAULT_SAMPLING
+    if sampling not in SAMPLINGS:
+        raise SpecmlxError(f"sampling must be one of {', '.join(SAMPLINGS)}, got {sampling!r}")
+    return sampling
+
+
 def check_settings(
     max_tokens: int,
     temperature: float,
@@ -59,11 +74,13 @@ def check_settings(
     top_k: int,
     gamma: int | str,
     draft_mode: str | None,
+    sampling: str | None = None,
 ) -> tuple[SamplingParams, int | str]:
     """Every generation setting checked; the sampling parameters and γ parsed."""
     from .sampling import SamplingParams
 
-    params = SamplingParams(temperature, top_p, top_k)
+    coupled = check_sampling(sampling) == "coupled"
+    params = SamplingParams(temperature, top_p, top_k, coupled)
     check_max_tokens(max_tokens)
     check_draft_mode(draft_mode)
     return params, parse_gamma(gamma)

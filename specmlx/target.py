@@ -180,7 +180,8 @@ class Target:
     def verify(self, last: int, proposal: Proposal, key: mx.array) -> Verdict:
         """One pass over [last, *proposal's drafts]; the cache keeps the accepted path."""
         start = time.perf_counter()
-        as_chain = not proposal.is_chain and not (self.verifies_trees and self.params.greedy)
+        judged_whole = self.params.greedy or self.params.coupled
+        as_chain = not proposal.is_chain and not (self.verifies_trees and judged_whole)
         if as_chain:
             proposal = proposal.along(tree.first_path(proposal.parents))
         saved = checkpoint(self.cache) if proposal.is_chain else None
@@ -188,14 +189,14 @@ class Target:
         if proposal.is_chain:
             logits, hidden = self._forward(x)
             q = proposal.q
-            if q is None and not self.params.greedy:  # guesses: judged as point masses
+            if q is None and not (self.params.greedy or self.params.coupled):  # guesses
                 q = point_mass(proposal.tokens, self.vocab_size)
             n, token, probs = self.verifier(logits, q, proposal.tokens, key)
             mx.eval(n, token)  # the one host sync of the round
             path = list(range(int(n)))
         else:
             logits, hidden = self._tree_forward(x, proposal.parents)
-            n, token, row = self._judge_tree(logits, proposal)
+            n, token, row = self._judge_tree(logits, proposal, key)
             mx.eval(n, token, row)
             path, probs = tree.path_to(proposal.parents, int(row) - 1), None
         verified = time.perf_counter()
@@ -221,16 +222,20 @@ class Target:
             tops=lambda k: self._tops(logits, probs, k, None if proposal.is_chain else rows),
         )
 
-    def _judge_tree(self, logits: mx.array, proposal: Proposal) -> tuple:
+    def _judge_tree(self, logits: mx.array, proposal: Proposal, key: mx.array) -> tuple:
+        """accept_tree over the pass's rows; coupled, each row drawn with the key of its
+        depth's position (`key`: one per position from the root's on)."""
         parents = proposal.parents
-        ancestry = tree.ancestry(parents)
-        judge = make_tree_verifier(self.vocab_size)
+        ancestry, depths = tree.ancestry(parents), tree.depths(parents)
+        judge = make_tree_verifier(self.params, self.vocab_size)
+        rows = mx.array([0, *depths]) if self.params.coupled else None
         return judge(
             logits,
             proposal.tokens,
             mx.array([p + 1 for p in parents], mx.uint32),
             mx.array([row[1:] for row in ancestry[1:]], mx.float32),
-            mx.array(tree.depths(parents), mx.int32),
+            mx.array(depths, mx.int32),
+            key[rows] if rows is not None else mx.zeros((len(parents) + 1, 2), mx.uint32),
         )
 
     def _tree_forward(self, x: mx.array, parents: list[int]) -> tuple:

@@ -69,7 +69,8 @@ def accept_greedy(
 def make_verifier(params: SamplingParams, vocab_size: int):
     """Compiled: (target logits of one round (g+1, V'), q (g, V), drafts (g,), key) ->
     (n accepted, next token, the target's processed distributions p (g+1, V)). At
-    temperature 0, q may be None (it is not needed), and so is p.
+    temperature 0, q may be None (it is not needed), and so is p. Coupled (params.coupled),
+    q is not needed either and `key` is the positions' keys (g+1, 2): accept_coupled.
 
     Logits beyond `vocab_size` (embedding padding) are dropped before processing, so
     draft and target are compared over the shared tokenizer vocabulary.
@@ -77,6 +78,14 @@ def make_verifier(params: SamplingParams, vocab_size: int):
     if params.greedy:
         greedy = mx.compile(lambda logits, drafts: accept_greedy(logits, drafts, vocab_size))
         return lambda logits, q, draft_tokens, key: (*greedy(logits, draft_tokens), None)
+    if params.coupled:
+
+        def coupled(logits: mx.array, draft_tokens: mx.array, keys: mx.array):
+            p = probabilities(logits[:, :vocab_size], params)
+            return (*accept_coupled(p, draft_tokens, keys), p)
+
+        compiled = mx.compile(coupled)
+        return lambda logits, q, draft_tokens, keys: compiled(logits, draft_tokens, keys)
 
     def verify(logits: mx.array, q: mx.array, draft_tokens: mx.array, key: mx.array):
         p = probabilities(logits[:, :vocab_size], params)
@@ -100,7 +109,17 @@ def make_sampler(params: SamplingParams, vocab_size: int):
         probs = probabilities(logits[:, :vocab_size], params)
         return probs, sample(probs, key)
 
-    return mx.compile(draw)
+    compiled = mx.compile(draw)
+    if not params.coupled:
+        return compiled
+
+    def coupled(logits: mx.array, key: mx.array):
+        return compiled(logits, key)
+
+    # A draft coupled to the target must draw over the same vocabulary, in the same order:
+    # a drafter whose head covers fewer tokens widens its logits for this draw.
+    coupled.full_width = True
+    return coupled
 
 
 def top_probability(
@@ -146,37 +165,68 @@ def _ones(size: int) -> np.ndarray:
     return np.ones(size, np.float32)
 
 
-def accept_greedy_tree(
-    logits: mx.array,
+def accept_coupled(
+    p: mx.array, draft_tokens: mx.array, keys: mx.array
+) -> tuple[mx.array, mx.array]:
+    """Coupled sampling's rule (settings.SAMPLINGS): the target draws its own token at each
+    of the g+1 positions from its key there (as a plain step does), and a draft passes
+    where it equals that draw. Returns (n accepted, the target's draw after them).
+
+    p: (g+1, V) target distributions; keys: (g+1, 2), one per position. Every emitted
+    token is the target's own draw, so the output is the target's distribution exactly,
+    and the same tokens a plain decode at these keys gives."""
+    drawn = own_draws(p, keys)
+    g = draft_tokens.shape[0]
+    n = mx.sum(mx.cumprod((draft_tokens == drawn[:g]).astype(mx.int32)))
+    return n, drawn[n]
+
+
+def own_draws(p: mx.array, keys: mx.array) -> mx.array:
+    """(rows,) the token sample() draws from each row of p with that row's key: what a
+    plain step at that position draws (the same shapes, so the same uniforms)."""
+    return mx.concatenate([sample(p[i : i + 1], keys[i]) for i in range(p.shape[0])])
+
+
+def accept_tree(
+    chosen: mx.array,
     draft_tokens: mx.array,
     parent_rows: mx.array,
     ancestors: mx.array,
     depths: mx.array,
-    vocab_size: int | None = None,
 ) -> tuple[mx.array, mx.array, mx.array]:
-    """accept_greedy over a tree of drafts: (accepted depth n, the token after them, the
-    pass row of the deepest accepted node, 0 for none).
+    """A tree of drafts judged against the target's own token at each pass row, `chosen`
+    (g+1,): its argmax (greedy) or its coupled draw. Returns (accepted depth n, the
+    target's token after them, the pass row of the deepest accepted node, 0 for none).
 
-    logits (g+1, V'): the pass over [root, node 0..g-1]; parent_rows (g,): each node's
-    parent's pass row; ancestors (g, g) float, 1 where node k is node j or above it;
-    depths (g,). A node passes where its token is the target's argmax at its parent and
-    every node above it passed; the deepest passing node wins (the first of equals: the
-    drafter's preferred branch). A chain gives accept_greedy's result.
+    parent_rows (g,): each node's parent's pass row; ancestors (g, g) float, 1 where node
+    k is node j or above it; depths (g,). A node passes where its token is the target's
+    at its parent and every node above it passed; the deepest passing node wins (the
+    first of equals: the drafter's preferred branch). A chain gives the chain rule.
     """
-    best = argmax(logits, vocab_size)
-    wrong = (draft_tokens != best[parent_rows]).astype(mx.float32)
+    wrong = (draft_tokens != chosen[parent_rows]).astype(mx.float32)
     passed = (ancestors @ wrong) == 0
     score = mx.where(passed, depths, 0)
     n = mx.max(score)
     row = mx.where(n > 0, mx.argmax(score) + 1, 0)
-    return n, best[row], row
+    return n, chosen[row], row
 
 
-@lru_cache(maxsize=8)
-def make_tree_verifier(vocab_size: int):
-    """Compiled accept_greedy_tree over the first `vocab_size` logits of each row."""
-    return mx.compile(
-        lambda logits, drafts, parent_rows, ancestors, depths: accept_greedy_tree(
-            logits, drafts, parent_rows, ancestors, depths, vocab_size
-        )
-    )
+@lru_cache(maxsize=16)
+def make_tree_verifier(params: SamplingParams, vocab_size: int):
+    """Compiled: (logits (g+1, V'), drafts, parent_rows, ancestors, depths, row keys) ->
+    accept_tree's (n, token, row), over the first `vocab_size` logits of each row, the
+    target's token at a row being its argmax (greedy) or its coupled draw with the key
+    of the row's position (row keys (g+1, 2))."""
+    if params.greedy:
+
+        def chosen(logits, keys):
+            return argmax(logits, vocab_size)
+    else:
+
+        def chosen(logits, keys):
+            return own_draws(probabilities(logits[:, :vocab_size], params), keys)
+
+    def judge(logits, drafts, parent_rows, ancestors, depths, keys):
+        return accept_tree(chosen(logits, keys), drafts, parent_rows, ancestors, depths)
+
+    return mx.compile(judge)

@@ -11,11 +11,12 @@ from mlx_lm.models.cache import make_prompt_cache
 import specmlx
 from specmlx import drafters, tree
 from specmlx.caches import prefill
+from specmlx.cpu import argmax
 from specmlx.drafters.protocol import Proposal, Verdict
 from specmlx.errors import SpecmlxError
 from specmlx.sampling import SamplingParams
 from specmlx.target import Target
-from specmlx.verify import accept_greedy, accept_greedy_tree
+from specmlx.verify import accept_greedy, accept_tree
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n"
 N = 24
@@ -40,7 +41,7 @@ class Oracle:
 
     def propose(self, g, key, draw, go_on=None) -> Proposal:
         right = (self.text[self.at : self.at + 3] + [0, 0, 0])[:3]
-        if not self.as_tree:
+        if not self.as_tree or g < 6:  # a proposal holds at most the g drafts asked
             return Proposal(mx.array(right[:g], mx.uint32))
         wrong = [(t + 1) % 50 for t in right]
         self.rounds += 1
@@ -72,9 +73,9 @@ def test_a_tree_of_two_branches_three_deep_decodes_the_targets_greedy_text(tiny_
     assert gen.run().tokens == plain
     rounds = gen.stats.rounds_by_source["oracle"]
     if Target(target).verifies_trees:  # KV caches and windows: the right branch passes
-        assert gen.stats.trees_as_chains == 0 and gen.stats.accepted == 3 * rounds
+        assert gen.stats.trees_as_chains == 0 and gen.stats.accepted >= 3 * (rounds - 1)
     else:  # windows and recurrent states: its first path, as a chain, said in the stats
-        assert gen.stats.trees_as_chains == rounds
+        assert gen.stats.trees_as_chains in (rounds - 1, rounds)  # the last may be a chain
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
@@ -138,9 +139,8 @@ def test_the_tree_rule_on_a_chain_is_the_chain_rule():
         parents = tree.chain(4)
         ancestry = mx.array([row[1:] for row in tree.ancestry(parents)[1:]], mx.float32)
         depths = mx.array(tree.depths(parents), mx.int32)
-        n, token, row = accept_greedy_tree(
-            logits, drafts, mx.array([p + 1 for p in parents], mx.uint32), ancestry, depths
-        )
+        parent_rows = mx.array([p + 1 for p in parents], mx.uint32)
+        n, token, row = accept_tree(argmax(logits), drafts, parent_rows, ancestry, depths)
         chain_n, chain_token = accept_greedy(logits, drafts)
         assert (n.item(), token.item(), row.item()) == (
             chain_n.item(),

@@ -26,6 +26,7 @@ from .modes import (
     build_modes,
     parse_draft_modes,
     parse_gammas,
+    parse_samplings,
     parse_temperatures,
     schedule,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "mlx_lm_rounds",
     "pairwise_ratios",
     "parse_draft_modes",
+    "parse_samplings",
     "parse_gammas",
     "parse_temperatures",
     "plot",

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from ..drafters import AUTO
 from ..drafters import modes as draft_modes
 from ..errors import SpecmlxError
+from ..settings import DEFAULT_SAMPLING, SAMPLINGS
 from .suite import Prompt
 
 
@@ -22,14 +23,18 @@ class Mode:
     # The target alone a second time, timed as a mode of its own: an A/A test whose
     # "speedup" is what this machine's noise alone makes of two identical modes.
     control: bool = False
+    sampling: str = DEFAULT_SAMPLING  # specmlx at T > 0: settings.SAMPLINGS
 
     @property
     def family(self) -> str:
-        """The mode without its γ: 'specmlx' (its default drafts), 'specmlx/model',
-        'specmlx/lookup', 'mlx-lm'."""
-        if self.engine != "specmlx" or self.draft_mode == AUTO:
+        """The mode without its γ: 'specmlx' (its default drafts and sampling),
+        'specmlx/model', 'specmlx/lookup', 'specmlx/coupled', 'mlx-lm'."""
+        if self.engine != "specmlx":
             return self.engine
-        return f"{self.engine}/{self.draft_mode}"
+        parts = [self.engine]
+        parts += [self.draft_mode] if self.draft_mode != AUTO else []
+        parts += [self.sampling] if self.sampling != DEFAULT_SAMPLING else []
+        return "/".join(parts)
 
     @property
     def name(self) -> str:
@@ -104,6 +109,7 @@ def build_modes(
     draft_modes: Iterable[str] = ("auto",),
     mlx_lm_gammas: list[int] | None = None,
     control: bool = False,
+    samplings: Iterable[str] = (DEFAULT_SAMPLING,),
 ) -> list[Mode]:
     """The target alone, specmlx at each draft mode and γ, mlx-lm at each integer γ
     (or at `mlx_lm_gammas`, e.g. to pit specmlx's auto against mlx-lm's best fixed γ);
@@ -112,7 +118,9 @@ def build_modes(
     mlx-lm has neither an automatic γ nor prompt lookup, so it runs fixed γ, model draft.
     """
     modes = [TARGET] + ([CONTROL] if control else [])
-    modes += [Mode("specmlx", g, d) for d in draft_modes for g in gammas]
+    modes += [
+        Mode("specmlx", g, d, sampling=s) for s in samplings for d in draft_modes for g in gammas
+    ]
     if mlx_lm_target:
         modes.append(Mode("mlx-lm", 0))
     if mlx_lm:
@@ -136,3 +144,13 @@ def schedule(
         shift = block % len(modes)
         order += [(prompt, temp, mode) for mode in modes[shift:] + modes[:shift]]
     return order
+
+
+def parse_samplings(text: str) -> list[str]:
+    """'rejection,coupled' -> ['rejection', 'coupled'], each one of settings.SAMPLINGS."""
+    chosen = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    if not chosen or any(s not in SAMPLINGS for s in chosen):
+        raise SpecmlxError(
+            f"--sampling takes {', '.join(SAMPLINGS)} (comma-separated), got {text!r}"
+        )
+    return chosen

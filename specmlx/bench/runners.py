@@ -51,6 +51,7 @@ def run_specmlx(
     mx.reset_peak_memory()
     start = time.perf_counter()
     kwargs: dict = {"num_draft": mode.gamma, "draft_mode": mode.draft_mode}
+    kwargs["sampling"] = mode.sampling
     if mode.speculative and uses_model(mode.draft_mode):  # prompt lookup needs none
         kwargs["draft"] = draft
     gen = generate(

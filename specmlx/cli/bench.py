@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..paths import portable
+from ..settings import DEFAULT_SAMPLING
 from ..wording import counted, human_bytes
 from . import app, options
 
@@ -185,6 +186,12 @@ def bench(
         help="Comma-separated specmlx draft modes: auto (generate's default with a draft: "
         "lookup where the context has a match, else the model), model, lookup.",
     ),
+    sampling: str = typer.Option(
+        None,
+        "--sampling",
+        help="Comma-separated specmlx samplings at T > 0, each a mode of its own: rejection, "
+        "coupled (default: generate's).",
+    ),
     categories: str = typer.Option(
         None, "--categories", "-c", help="Comma-separated categories; 'mt-bench' = its eight."
     ),
@@ -265,6 +272,7 @@ def bench(
     if "auto" not in gammas:
         gammas = ["auto", *gammas]  # the default policy is always worth seeing
     draft_modes = lib.parse_draft_modes(draft_mode)
+    samplings = lib.parse_samplings(sampling) if sampling else [DEFAULT_SAMPLING]
     temps = lib.parse_temperatures(
         temperature or preset.get("temperature") or DEFAULTS["temperature"]
     )
@@ -293,7 +301,9 @@ def bench(
     if drafter is None:
         raise options.SpecmlxError("bench needs a draft model: pass --draft")
     mlx_lm_gammas = lib.parse_gammas(mlx_lm_gamma, allow_auto=False) if mlx_lm_gamma else None
-    modes = lib.build_modes(gammas, mlx_lm, mlx_lm_target, draft_modes, mlx_lm_gammas, control)
+    modes = lib.build_modes(
+        gammas, mlx_lm, mlx_lm_target, draft_modes, mlx_lm_gammas, control, samplings
+    )
     runs = len(chosen) * len(temps) * len(modes) * repeat
     times = f" × {repeat} repeats" if repeat > 1 else ""
     log(
@@ -346,6 +356,7 @@ def bench(
         f"--cpu-weights {cpu_weights}",
         f"--gamma {','.join(str(g) for g in gammas)}",
         f"--draft-mode {','.join(draft_modes)}" if draft_modes != ["auto"] else "",
+        f"--sampling {','.join(samplings)}",
         f"--temperature {','.join(f'{t:g}' for t in temps)}",
         f"--split {split}",
         f"--categories {categories}" if categories else "",

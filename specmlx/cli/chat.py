@@ -56,6 +56,7 @@ class Settings:
     seed: int
     draft_on: bool
     draft_mode: str = "model"
+    sampling: str | None = None  # None: settings.DEFAULT_SAMPLING
 
 
 @app.command()
@@ -69,6 +70,7 @@ def chat(
     top_k: int = options.TopK,
     gamma: str = options.Gamma,
     draft_mode: str | None = options.DraftMode,
+    sampling: str | None = options.Sampling,
     seed: int = options.Seed,
     dtype: str = options.Dtype,
     cpu_weights: str = options.CpuWeights,
@@ -78,7 +80,9 @@ def chat(
     verbose: bool = options.Verbose,
 ) -> None:
     """Chat with a model, speculatively when a draft is given; /help lists the commands."""
-    num_draft = options.check_settings(max_tokens, temperature, top_p, top_k, gamma, draft_mode)
+    num_draft = options.check_settings(
+        max_tokens, temperature, top_p, top_k, gamma, draft_mode, sampling
+    )
     options.check_quiet_verbose(quiet, verbose)
     stops = stream.check_stops(stop)
     system = options.command_line_text(system, "--system") if system else system
@@ -108,7 +112,15 @@ def chat(
     report_note("/help for commands, Ctrl-D or /exit to quit")
     session = Session(target, drafter)
     settings = Settings(
-        temperature, top_p, top_k, num_draft, max_tokens, seed, drafter is not None, draft_mode
+        temperature,
+        top_p,
+        top_k,
+        num_draft,
+        max_tokens,
+        seed,
+        drafter is not None,
+        draft_mode,
+        sampling,
     )
     shown = Shown(stops, quiet, verbose, err)
     convo = Conversation(system=system)
@@ -172,6 +184,7 @@ def reply(
             ids,
             num_draft=settings.gamma if settings.draft_on else 0,
             draft_mode=settings.draft_mode,
+            sampling=settings.sampling,
             draft=session.draft if settings.draft_on else None,
             session=session,
             max_tokens=min(settings.max_tokens, room),

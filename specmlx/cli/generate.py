@@ -36,6 +36,7 @@ def generate(
     top_k: int = options.TopK,
     gamma: str = options.Gamma,
     draft_mode: str | None = options.DraftMode,
+    sampling: str | None = options.Sampling,
     seed: int = options.Seed,
     dtype: str = options.Dtype,
     cpu_weights: str = options.CpuWeights,
@@ -54,7 +55,9 @@ def generate(
     verbose: bool = options.Verbose,
 ) -> None:
     """Generate a reply to one prompt, speculatively when a draft is given."""
-    num_draft = options.check_settings(max_tokens, temperature, top_p, top_k, gamma, draft_mode)
+    num_draft = options.check_settings(
+        max_tokens, temperature, top_p, top_k, gamma, draft_mode, sampling
+    )
     options.check_quiet_verbose(quiet, verbose)
     if as_json and as_jsonl:
         raise SpecmlxError("give --json or --jsonl, not both")
@@ -113,6 +116,7 @@ def generate(
             ids,
             num_draft=num_draft,
             draft_mode=draft_mode,
+            sampling=sampling,
             draft=drafter,
             max_tokens=min(max_tokens, room),
             temperature=temperature,

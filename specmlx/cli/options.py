@@ -10,7 +10,7 @@ import typer
 
 from .. import drafters
 from ..errors import SpecmlxError
-from ..settings import MAX_GAMMA
+from ..settings import DEFAULT_SAMPLING, MAX_GAMMA
 
 Model = typer.Option(
     None, "--model", "-m", help="Target model: directory, hub id, or tiny (random demo pair)."
@@ -34,6 +34,16 @@ Gamma = typer.Option(
     "-g",
     help=f"Draft tokens per round: an integer from 0 to {MAX_GAMMA}, or auto (chosen each round "
     "from measured costs and acceptance; plain decoding where speculation would lose).",
+)
+Sampling = typer.Option(
+    None,
+    "--sampling",
+    help="At a temperature above 0, how drafts are judged: rejection (modified rejection "
+    "sampling: the most drafts accepted; a seed repeats a reply where the rounds repeat) or "
+    "coupled (each position drawn from uniforms keyed by the seed and the position, a draft "
+    "passing where it equals the target's own draw: a seed gives one reply, the same as "
+    "--no-draft's, whatever the rounds). Default: " + DEFAULT_SAMPLING + ".",
+    show_default=False,
 )
 DraftMode = typer.Option(
     None,
@@ -82,11 +92,12 @@ def check_settings(
     top_k: int,
     gamma: str,
     draft_mode: str | None,
+    sampling: str | None = None,
 ) -> int | str:
     """Validate the generation flags before anything slow is loaded; return γ parsed."""
     from ..settings import check_settings as check
 
-    return check(max_tokens, temperature, top_p, top_k, gamma, draft_mode)[1]
+    return check(max_tokens, temperature, top_p, top_k, gamma, draft_mode, sampling)[1]
 
 
 def load_pair(

@@ -23,6 +23,7 @@ def serve(
     ),
     gamma: str = options.Gamma,
     draft_mode: str | None = options.DraftMode,
+    sampling: str | None = options.Sampling,
     dtype: str = options.Dtype,
     cpu_weights: str = options.CpuWeights,
     host: str = typer.Option(
@@ -40,7 +41,7 @@ def serve(
     ),
 ) -> None:
     """Serve the model pair over an OpenAI-compatible HTTP API (chat and completions)."""
-    num_draft = options.check_settings(max_tokens, 0.0, 1.0, 0, gamma, draft_mode)
+    num_draft = options.check_settings(max_tokens, 0.0, 1.0, 0, gamma, draft_mode, sampling)
     if cache_gb < 0:
         raise SpecmlxError(f"--cache-gb must be >= 0, got {cache_gb}")
     err = Console(stderr=True, soft_wrap=True, highlight=False)
@@ -74,7 +75,7 @@ def serve(
         model_id=model or target.name,
         api_key=api_key,
         cache_bytes=int(cache_gb * (1 << 30)),
-        defaults=Defaults(max_tokens, num_draft, draft_mode),
+        defaults=Defaults(max_tokens, num_draft, draft_mode, sampling),
     )
     config = uvicorn.Config(server_app, log_level="warning", timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[listener])

@@ -62,7 +62,7 @@ class LookupDrafter:
     def available(self, g: int) -> int:
         return len(self.find(g))
 
-    def propose(self, g: int, key: mx.array, draw: Draw, go_on: GoOn | None = None) -> Proposal:
+    def propose(self, g: int, keys: mx.array, draw: Draw, go_on: GoOn | None = None) -> Proposal:
         return Proposal(mx.array(self.find(g), mx.uint32))
 
     def commit(self, proposal: Proposal | None, verdict: Verdict) -> int:

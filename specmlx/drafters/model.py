@@ -82,7 +82,7 @@ class ModelDrafter:
         if not trims_exactly(self.cache):
             self.cached.clear()
 
-    def propose(self, g: int, key: mx.array, draw: Draw, go_on: GoOn | None = None) -> Proposal:
+    def propose(self, g: int, keys: mx.array, draw: Draw, go_on: GoOn | None = None) -> Proposal:
         """g tokens and their q, lazily (nothing is synced unless `go_on` is given: it is
         shown its top probability at each draft as it is made, the last one too, which
         syncs every pass)."""
@@ -101,11 +101,12 @@ class ModelDrafter:
         self.cached += self.pending
         x = mx.array(self.pending, mx.uint32)
         tokens, qs, tops = [], [], []
-        for k in mx.random.split(key, g):
+        for k in keys[:g]:
             logits, probs, x = self.step(x, k, draw)
             mx.async_eval(x)
             tokens.append(x)
-            qs.append(probs if self.head is None or probs is None else self.head.widen(probs))
+            narrow = probs is not None and probs.shape[-1] != self.width  # over its head's ids
+            qs.append(self.head.widen(probs) if narrow else probs)
             if go_on is not None:
                 shown = self._shown(logits, probs)
                 tops.append(top_probability(logits, shown, self.width, self.scratch))
@@ -118,11 +119,15 @@ class ModelDrafter:
     def step(self, x: mx.array, key: mx.array, draw: Draw) -> tuple:
         """One draft pass over tokens x (lazy): (logits, the distribution drawn from or None
         when greedy, the token drawn (1,)). With a head, logits and distribution cover its
-        sub-vocabulary and the token is mapped back to its full id."""
+        sub-vocabulary and the token is mapped back to its full id; but a draw that wants
+        the full vocabulary (coupled sampling: Draw's `full_width`) is shown the logits
+        widened, so the draft draws over the target's ordering of tokens."""
         if self.head is None:
             logits = self.model.module(x[None], cache=self.cache)[:, -1, :]
             return (logits, *draw(logits, key))
         logits = self.head.logits(self.model.module, x, self.cache)
+        if getattr(draw, "full_width", False):
+            return (logits, *draw(self.head.widen_logits(logits), key))
         probs, index = draw(logits, key)
         return logits, probs, self.head.token(index)
 

@@ -26,7 +26,7 @@ class CostProbe:
     def start(self, context: list[int]) -> None:
         self.last = context[-1]
 
-    def propose(self, g: int, key: mx.array, draw: Draw, go_on: GoOn | None = None) -> Proposal:
+    def propose(self, g: int, keys: mx.array, draw: Draw, go_on: GoOn | None = None) -> Proposal:
         timed = None
         if self.retime is not None:
             timed, self.retime = self.retime.time_pass(), None

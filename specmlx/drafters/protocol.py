@@ -27,8 +27,9 @@ class Drafter(Protocol):
     def start(self, context: list[int]) -> None:
         """A new call: the text so far (the prompt) is `context`."""
 
-    def propose(self, g: int, key: mx.array, draw: Draw, go_on: GoOn | None = None) -> Proposal:
-        """At most g drafts that may follow the text so far (fewer where go_on says stop)."""
+    def propose(self, g: int, keys: mx.array, draw: Draw, go_on: GoOn | None = None) -> Proposal:
+        """At most g drafts that may follow the text so far (fewer where go_on says stop);
+        keys (g, 2): the random key for each draft position, in order, to draw with."""
 
     def commit(self, proposal: Proposal | None, verdict: Verdict) -> int:
         """The round is over: `proposal` was this drafter's (None: it sat the round out)

@@ -62,6 +62,12 @@ class SubHead:
         """The full token id of a draw's index into the sub-vocabulary."""
         return self.ids[index]
 
+    def widen_logits(self, logits: mx.array) -> mx.array:
+        """Logits over the full vocabulary: the head's, -inf outside its ids."""
+        full = mx.full((logits.shape[0], self.width), -mx.inf, logits.dtype)
+        index = mx.broadcast_to(self.ids, logits.shape)
+        return mx.put_along_axis(full, index, logits, axis=-1)
+
     def widen(self, probs: mx.array) -> mx.array:
         """q over the full vocabulary: the draw's distribution, zero outside the ids."""
         q = mx.zeros((probs.shape[0], self.width), probs.dtype)

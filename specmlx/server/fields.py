@@ -23,6 +23,7 @@ class Defaults:
     max_tokens: int = 256
     num_draft: int | str = "auto"
     draft_mode: str | None = None
+    sampling: str | None = None  # None: settings.DEFAULT_SAMPLING
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class Asked:
     include_usage: bool
     num_draft: int | str
     draft_mode: str | None
+    sampling: str | None = None
 
     def settings(self, max_tokens: int, seed: int) -> dict:
         """generate()'s keyword arguments (max_tokens as the context leaves room for)."""
@@ -52,6 +54,7 @@ class Asked:
             "top_k": self.top_k,
             "num_draft": self.num_draft,
             "draft_mode": self.draft_mode,
+            "sampling": self.sampling,
             "seed": seed,
         }
 
@@ -91,10 +94,13 @@ def parse(body: dict, chat: bool, defaults: Defaults) -> Asked:
     include_usage = _get(options, "include_usage", bool, "true or false", False)
     num_draft = _get(body, "num_draft", (int, str), "an integer or 'auto'", defaults.num_draft)
     draft_mode = _get(body, "draft_mode", str, "a string", defaults.draft_mode)
+    sampling = _get(body, "sampling", str, "a string", defaults.sampling)
     try:
         num_draft = parse_gamma(num_draft)
         check_draft_mode(draft_mode)
-        check_settings(max_tokens, float(temperature), float(top_p), top_k, num_draft, draft_mode)
+        check_settings(
+            max_tokens, float(temperature), float(top_p), top_k, num_draft, draft_mode, sampling
+        )
         if seed is not None:
             check_seed(seed)
     except SpecmlxError as e:
@@ -113,6 +119,7 @@ def parse(body: dict, chat: bool, defaults: Defaults) -> Asked:
         include_usage=include_usage,
         num_draft=num_draft,
         draft_mode=draft_mode,
+        sampling=sampling,
     )
 
 
