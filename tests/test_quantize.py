@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import mlx.core as mx
@@ -206,8 +207,69 @@ def test_disk_full_mid_write_is_a_clear_error_and_leaves_nothing(model_dirs, tmp
 def test_too_little_free_space_is_refused_before_writing(model_dirs, tmp_path, monkeypatch):
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1000))
-    with pytest.raises(SpecmlxError, match="not enough disk space"):
+    with pytest.raises(SpecmlxError, match=r"not enough disk space .*: it needs 1\.\d MiB, 1000 B"):
         quantize(model_dirs["target"], tmp_path / "q")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_small_output_is_written_where_a_little_space_is_free(model_dirs, tmp_path, monkeypatch):
+    # The tiny model's output is ~0.1 MiB: 2 MB free is plenty, whatever a big model needs.
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=2_000_000))
+    quantize(model_dirs["target"], tmp_path / "q")
+    specmlx.load(tmp_path / "q")
+
+
+def quantize_cli_error(args: list[str], capsys) -> str:
+    """The one line `specmlx quantize ARGS` says on stderr, having exited 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["quantize", *args])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: ") and "Traceback" not in err, err
+    return err.strip()
+
+
+@pytest.mark.parametrize("under", ["file/q", "file/deeper/q"])
+def test_out_under_a_file_is_one_line_naming_the_file(model_dirs, tmp_path, capsys, under):
+    (tmp_path / "file").write_text("not a directory")
+    out = tmp_path / under
+    said = quantize_cli_error([str(model_dirs["target"]), "-o", str(out)], capsys)
+    assert said == (
+        f"error: cannot write {out}: {tmp_path / 'file'} is a file, not a directory; "
+        "pick an OUT that is not under a file"
+    )
+    assert os.listdir(tmp_path) == ["file"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a 0o555 directory anyway")
+def test_out_in_a_directory_without_write_permission_is_one_line(model_dirs, tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    said = quantize_cli_error([str(model_dirs["target"]), "-o", str(locked / "q")], capsys)
+    assert said.startswith(f"error: cannot write {locked / 'q'}: no permission to write in")
+    assert os.listdir(locked) == []
+
+
+@pytest.mark.parametrize(
+    ("code", "says"),
+    [
+        (errno.EROFS, "is on a read-only file system; pick an OUT on a writable one"),
+        (errno.EACCES, "no permission to write in"),
+    ],
+)
+def test_out_the_file_system_refuses_is_one_line_and_leaves_nothing(
+    model_dirs, tmp_path, capsys, monkeypatch, code, says
+):
+    # The OS call creating OUT's temp directory refuses it, as a read-only mount or a
+    # directory of another user would (chmod cannot show it: the tests run as root).
+    def refused(*args, **kwargs):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refused)
+    out = tmp_path / "new" / "q"
+    said = quantize_cli_error([str(model_dirs["target"]), "-o", str(out)], capsys)
+    assert said.startswith(f"error: cannot write {out}: ") and says in said, said
     assert os.listdir(tmp_path) == []
 
 

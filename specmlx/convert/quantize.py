@@ -10,6 +10,7 @@ only when complete, so an error or Ctrl-C leaves no partial OUT behind.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -27,6 +28,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..errors import SpecmlxError
+from ..wording import human_bytes
 from . import shards
 from .source import Source, SourceTensor
 
@@ -286,26 +288,71 @@ def atomic_directory(out: Path) -> Iterator[Path]:
     created for it are removed, so a failure leaves the file system as it was.
     """
     created = [p for p in [out.parent, *out.parent.parents] if not p.exists()]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    except OSError as e:  # checked before (check_writable), but the disk may have changed
+        _remove_empty(created)
+        raise unwritable(out, e) from None
     tmp.chmod(0o777 & ~_umask())  # mkdtemp's 0700 would make OUT private, unlike mkdir
     try:
         yield tmp
-        if out.exists() or out.is_symlink():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            out.rename(old / "replaced")
-            tmp.rename(out)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out)
-    except BaseException:
+        try:
+            _move_into_place(tmp, out)
+        except OSError as e:
+            raise unwritable(out, e) from None
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        for directory in created:  # deepest first
-            try:
-                directory.rmdir()
-            except OSError:
-                break
+        _remove_empty(created)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:  # the tokenizer, the config
+            raise shards.disk_full(out) from None
         raise
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    if out.exists() or out.is_symlink():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        out.rename(old / "replaced")
+        tmp.rename(out)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(out)
+
+
+def _remove_empty(created: list[Path]) -> None:
+    """Remove the directories made for OUT's parent (deepest first), as far as empty."""
+    for directory in created:
+        try:
+            directory.rmdir()
+        except OSError:
+            break
+
+
+def check_writable(out: Path) -> None:
+    """Refuse at once, before the source is read, an OUT that cannot be created: under a
+    file, on a read-only file system, in a directory this user may not write to."""
+    ancestor = _existing_ancestor(out.parent)
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+        raise unwritable(out)
+
+
+def unwritable(out: Path, error: OSError | None = None) -> SpecmlxError:
+    """Why OUT cannot be created (from its nearest existing ancestor, or `error`, the
+    OSError creating it raised), and the way out, in one line."""
+    ancestor = _existing_ancestor(out.parent)
+    code = error.errno if error is not None else None
+    if not ancestor.is_dir():
+        why = f"{ancestor} is a file, not a directory; pick an OUT that is not under a file"
+    elif code == errno.EROFS or os.statvfs(ancestor).f_flag & os.ST_RDONLY:
+        why = f"{ancestor} is on a read-only file system; pick an OUT on a writable one"
+    elif code in (None, errno.EACCES, errno.EPERM):
+        why = (
+            f"no permission to write in {ancestor}; pick an OUT in a directory you can "
+            "write to, or change its permissions"
+        )
+    else:
+        why = f"{error.strerror or error}; pick another OUT"
+    return SpecmlxError(f"cannot write {out}: {why}")
 
 
 def _umask() -> int:
@@ -364,6 +411,7 @@ def quantize(
     t_start = time.perf_counter()
     check_settings(bits, group_size, embed_bits, dtype)
     out = Path(out).expanduser().absolute()
+    check_writable(out)
     source = open_source(src)
     check_output(out, source.path, force)
     if dtype is None:
@@ -373,12 +421,7 @@ def quantize(
     planned_shards = shards.plan_shards((s.outputs for s in specs), max_shard_bytes)
     size_bytes = sum(t.nbytes for shard in planned_shards for t in shard)
     parameters = sum(int(np.prod(source.tensors[s.name].shape)) for s in specs)
-    free = shutil.disk_usage(_existing_ancestor(out)).free
-    if free < size_bytes + (64 << 20):
-        raise SpecmlxError(
-            f"not enough disk space for {out}: needs {size_bytes / 1e9:.2f} GB, "
-            f"{free / 1e9:.2f} GB free"
-        )
+    check_free_space(out, size_bytes + _tokenizer_bytes(source))
 
     bytes_total = sum(source.tensors[s.name].nbytes for s in specs)
     done = {"bytes": 0, "tensors": 0}
@@ -436,6 +479,34 @@ def quantize(
         len(planned_shards),
         unquantized,
     )
+
+
+def _tokenizer_bytes(source: Source) -> int:
+    """What the tokenizer files copied from a safetensors directory take. A GGUF's
+    tokenizer is only known once written: a disk that fills then is still said in one
+    line (see `disk_full`)."""
+    if source.format != "safetensors":
+        return 0
+    files = [source.path / name for name in TOKENIZER_FILES]
+    files += source.path.glob("*.tiktoken")
+    return sum(f.stat().st_size for f in files if f.is_file())
+
+
+# config.json, the shard index, specmlx.json and the shards' headers: small beside the
+# weights, but the output's own, so counted.
+METADATA_BYTES = 1 << 20
+
+
+def check_free_space(out: Path, content_bytes: int) -> None:
+    """Refuse, before writing, an OUT whose file system has less free space than the
+    output takes: its tensors and tokenizer as planned, plus METADATA_BYTES."""
+    needed = content_bytes + METADATA_BYTES
+    free = shutil.disk_usage(_existing_ancestor(out)).free
+    if free < needed:
+        raise SpecmlxError(
+            f"not enough disk space for {out}: it needs {human_bytes(needed)}, "
+            f"{human_bytes(free)} is free; free some space or pick another OUT"
+        )
 
 
 def _existing_ancestor(path: Path) -> Path:

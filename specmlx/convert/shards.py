@@ -153,6 +153,10 @@ def write_at(f, offset: int, data: memoryview) -> None:
     f.write(data)
 
 
+def disk_full(directory: Path) -> SpecmlxError:
+    return SpecmlxError(f"disk full while writing {directory}: free some space and rerun")
+
+
 class ShardWriter:
     """Writes planned shards whose tensors arrive in plan order, chunk by chunk of rows."""
 
@@ -192,9 +196,7 @@ class ShardWriter:
             action()
         except OSError as e:
             if e.errno == errno.ENOSPC:
-                raise SpecmlxError(
-                    f"disk full while writing {self.directory}: free some space and rerun"
-                ) from None
+                raise disk_full(self.directory) from None
             raise
 
     def close(self) -> None:
