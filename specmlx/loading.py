@@ -418,6 +418,23 @@ def describe_reading(reading: dict) -> str:
     return f"mx.load, {copied} ({reading['why']})"
 
 
+# A tokenizer's vocabulary comes from one of these (tokenizer.json: `tokenizers` and
+# transformers' fast tokenizers; the rest: transformers' slow ones). Without any,
+# transformers still builds a tokenizer, one that encodes every text to no tokens.
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def check_tokenizer_files(path: Path) -> None:
+    """Refuse, at load, a model directory with no vocabulary file, naming what it needs."""
+    if any((path / name).is_file() for name in VOCABULARY_FILES) or any(path.glob("*.tiktoken")):
+        return
+    raise SpecmlxError(
+        f"{path} has no tokenizer files: it needs tokenizer.json and tokenizer_config.json "
+        "(or an older tokenizer's tokenizer.model, vocab.json, vocab.txt or *.tiktoken); "
+        "copy them in from the model it was converted from, or re-download it"
+    )
+
+
 def read_tokenizer(path: Path, config: dict) -> tuple[Any, str]:
     """The tokenizer for `path`, and which it is: specmlx.tokenizer's over `tokenizers`
     where that is exactly what transformers would build ("tokenizers"), else mlx-lm's
@@ -425,6 +442,7 @@ def read_tokenizer(path: Path, config: dict) -> tuple[Any, str]:
     SpecmlxError naming the file when it cannot be read."""
     from .tokenizer import load_light
 
+    check_tokenizer_files(path)
     try:
         eos = config.get("eos_token_id")
         if os.environ.get("SPECMLX_TOKENIZER") == "transformers":  # to compare, or work around

@@ -299,6 +299,30 @@ def test_cli_exits_2_with_one_error_line(original, tmp_path, file, name, make):
     assert len(lines) == 1 and lines[0].startswith("error: ") and file in lines[0], run.stderr
 
 
+def without_tokenizer_files(original: Path, tmp_path: Path) -> Path:
+    model = tmp_path / "model"
+    shutil.copytree(original, model)
+    (model / "tokenizer.json").unlink()
+    (model / "tokenizer_config.json").unlink()
+    return model
+
+
+def test_a_model_without_tokenizer_files_is_refused_at_load_naming_them(original, tmp_path):
+    # transformers builds a tokenizer from no files at all, one that encodes every text
+    # to no tokens: the user heard "the prompt is empty", about a prompt that was not.
+    model = without_tokenizer_files(original, tmp_path)
+    said = assert_loads_or_says_why(model)
+    assert said.startswith(f"{model} has no tokenizer files: it needs tokenizer.json and "), said
+    assert said.endswith("copy them in from the model it was converted from, or re-download it")
+
+
+def test_cli_without_tokenizer_files_exits_2_with_one_error_line(original, tmp_path):
+    run = generate(without_tokenizer_files(original, tmp_path))
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "has no tokenizer files" in lines[0], run.stderr
+
+
 def test_cli_generates_despite_a_corrupt_specmlx_json(original, tmp_path):
     model = damaged_copy(original, tmp_path, "specmlx.json", b'{"bits": 4,')
     run = generate(model)
