@@ -11,9 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from .cpu import softmax
 from .errors import SpecmlxError
+
+# The least top-p the sampler can act on: it compares top-p with float32 sums, and a value
+# under float32's smallest normal number rounds to 0 there (or is a subnormal that a GPU
+# flushes to 0), which keeps no token at all and samples token 0 forever.
+SMALLEST_TOP_P = float(np.finfo(np.float32).tiny)
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,12 @@ class SamplingParams:
             raise SpecmlxError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise SpecmlxError(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.top_p < SMALLEST_TOP_P:
+            raise SpecmlxError(
+                f"top-p {self.top_p:g} is below {SMALLEST_TOP_P:.2g}, the least float32 sampling "
+                "can tell from 0; give a larger one (any top-p this small keeps just the most "
+                "likely token)"
+            )
         if self.top_k < 0:
             raise SpecmlxError(f"top-k must be >= 0 (0 disables it), got {self.top_k}")
 

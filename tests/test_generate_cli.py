@@ -130,6 +130,7 @@ def test_no_prompt_or_two_prompts_is_one_line_and_fails(prompts, says, pair, hom
         ["--temperature", "-0.5"],
         ["--top-p", "0"],
         ["--top-p", "1.5"],
+        ["--top-p", "1e-46"],
         ["--max-tokens", "0"],
     ],
 )

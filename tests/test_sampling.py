@@ -6,7 +6,14 @@ import pytest
 from stats_util import ALPHA, chi_square_pvalue
 
 from specmlx.errors import SpecmlxError
-from specmlx.sampling import BLOCK, SamplingParams, inverse_cdf, probabilities, sample
+from specmlx.sampling import (
+    BLOCK,
+    SMALLEST_TOP_P,
+    SamplingParams,
+    inverse_cdf,
+    probabilities,
+    sample,
+)
 
 LOGITS = mx.array([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
 
@@ -52,6 +59,22 @@ def test_top_p_of_one_changes_nothing():
 def test_bad_parameters_are_refused(kwargs):
     with pytest.raises(SpecmlxError):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("top_p", [1e-46, 1e-40, 1e-39])
+def test_a_top_p_float32_sampling_cannot_tell_from_0_is_refused_in_one_line(top_p):
+    # 1e-46 rounds to 0 in float32: no token was kept and token 0 was sampled forever.
+    with pytest.raises(SpecmlxError) as refused:
+        SamplingParams(temperature=1.0, top_p=top_p)
+    assert str(refused.value) == (
+        f"top-p {top_p:g} is below 1.2e-38, the least float32 sampling can tell from 0; "
+        "give a larger one (any top-p this small keeps just the most likely token)"
+    )
+
+
+def test_the_smallest_top_p_allowed_keeps_just_the_most_likely_token():
+    p = probabilities(LOGITS, SamplingParams(temperature=1.0, top_p=SMALLEST_TOP_P))
+    assert p.tolist() == [[1.0, 0.0, 0.0, 0.0, 0.0, 0.0]]
 
 
 def _uneven_distribution() -> np.ndarray:
