@@ -114,6 +114,11 @@ def test_a_non_utf8_prompt_file_is_one_line(home, tmp_path):
     one_error_line(run, f"prompt file {path} is not UTF-8 text: byte 0xe9 at offset 3")
 
 
+def test_a_directory_given_as_the_prompt_file_is_one_line_saying_so(home, tmp_path):
+    run = specmlx("generate", "--model", "tiny", "-f", str(tmp_path), "-n", "2", home=home)
+    one_error_line(run, f"prompt file {tmp_path} is a directory; give -f a file (- for stdin)")
+
+
 def test_a_non_utf8_prompt_on_stdin_is_one_line(home):
     run = specmlx(
         "generate", "--model", "tiny", "-f", "-", "-n", "2", home=home, input=NOT_UTF8, text=False

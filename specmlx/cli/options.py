@@ -202,9 +202,17 @@ def read_prompt(prompt: str | None, prompt_file: Path | None, argument: str | No
     if prompt_file is not None:
         if str(prompt_file) == "-":
             return utf8(sys.stdin.buffer.read(), "the prompt on stdin")
-        if not prompt_file.is_file():
+        if prompt_file.is_dir():
+            raise SpecmlxError(
+                f"prompt file {prompt_file} is a directory; give -f a file (- for stdin)"
+            )
+        if not prompt_file.exists():
             raise SpecmlxError(f"prompt file {prompt_file} does not exist")
-        return utf8(prompt_file.read_bytes(), f"prompt file {prompt_file}")
+        try:  # not only regular files: -f /dev/stdin or a named pipe reads as well
+            data = prompt_file.read_bytes()
+        except OSError as e:
+            raise SpecmlxError(f"cannot read prompt file {prompt_file}: {e.strerror}") from None
+        return utf8(data, f"prompt file {prompt_file}")
     if prompt is None:
         raise SpecmlxError(
             "no prompt: pass it as an argument, --prompt TEXT or --prompt-file FILE ('-' for stdin)"
