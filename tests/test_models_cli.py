@@ -73,6 +73,17 @@ def test_the_table_shows_every_model(home):
         assert word in run.stdout
 
 
+def test_the_table_into_a_pipe_keeps_each_model_on_one_line(tmp_path):
+    # At a terminal the names fold to its width; a pipe has none, and a script reading the
+    # listing must get each name whole.
+    name = "a-model-whose-name-is-wider-than-a-terminal-" + "x" * 80
+    build_tiny_model(tmp_path / "models" / name, seed=1)
+    run = specmlx("models", home=tmp_path)
+    assert run.returncode == 0, run.stderr
+    header, *rows = run.stdout.splitlines()
+    assert len(rows) == 1 and rows[0].split()[:3] == [name, "specmlx", "qwen2"], run.stdout
+
+
 @pytest.mark.parametrize("name", ["../small", "..", "models/small", "someone/tiny", "absent"])
 def test_rm_refuses_anything_but_a_model_directory_in_one_line(name, home):
     run = specmlx("models", "rm", name, "--yes", home=home)

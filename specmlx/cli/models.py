@@ -23,6 +23,9 @@ models_app = typer.Typer(
 )
 app.add_typer(models_app, name="models")
 
+# The width a listing into a pipe is laid out for: wider than any row, so none wraps.
+UNWRAPPED = 100_000
+
 
 @models_app.callback()
 def models(
@@ -38,6 +41,8 @@ def models(
         print(json.dumps([e.as_json() for e in entries], indent=2))
         return
     out = Console(soft_wrap=True, highlight=False)
+    if not out.is_terminal:  # a pipe has no width to fit: wrapping would cut names mid-word
+        out = Console(soft_wrap=True, highlight=False, width=UNWRAPPED)
     if not entries:
         out.print(f"no models in {inventory.models_dir()} or the hub cache", markup=False)
         return
