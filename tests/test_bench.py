@@ -286,7 +286,7 @@ def test_mlx_lm_rounds_rebuilt_from_draft_flags():
 # ---------------------------------------------------------------- the run, with fake runners
 
 
-def run_fake_bench(target, repeat: int) -> tuple[dict, list]:
+def run_fake_bench(target, repeat: int, progress=lambda event: None) -> tuple[dict, list]:
     """run_bench on one prompt at T = 1, the target alone and γ = 2, seed 7, with a runner
     that only records each call's (mode, seed)."""
     calls = []
@@ -299,7 +299,7 @@ def run_fake_bench(target, repeat: int) -> tuple[dict, list]:
     modes = [bench.TARGET, Mode("specmlx", 2)]
     result = bench.run_bench(
         target, target, prompts, modes, [1.0], repeat=repeat, seed=7, warmup=False,
-        runners={"specmlx": fake},
+        runners={"specmlx": fake}, progress=progress,
     )  # fmt: skip
     return result, calls
 
@@ -311,9 +311,8 @@ def test_each_repeat_samples_with_its_own_seed(models):
     assert sorted(r["repeat"] for r in result["runs"]) == [0, 0, 1, 1, 2, 2]
 
 
-def test_a_block_that_lost_cpus_to_steal_is_timed_again_whole(models, monkeypatch):
-    # The hypervisor takes 10% of the CPUs during the first block's second run: both of its
-    # runs are timed again (the modes stay interleaved) and the first try is kept apart.
+def steal_in_the_first_blocks_second_run(monkeypatch) -> None:
+    """The hypervisor takes 10% of the CPUs during the first block's second run only."""
     steal = iter([0.0, 0.0, 0.0, 0.10] + [0.0] * 20)
     clock = [0, 0]
 
@@ -323,6 +322,12 @@ def test_a_block_that_lost_cpus_to_steal_is_timed_again_whole(models, monkeypatc
         return tuple(clock)
 
     monkeypatch.setattr("specmlx.bench.run.cpu_times", cpu_times)
+
+
+def test_a_block_that_lost_cpus_to_steal_is_timed_again_whole(models, monkeypatch):
+    # Both of the block's runs are timed again (the modes stay interleaved) and the first
+    # try is kept apart.
+    steal_in_the_first_blocks_second_run(monkeypatch)
     result, calls = run_fake_bench(models["target"], repeat=2)
     assert len(calls) == 6 and calls[:2] == calls[2:4]  # the same seeds again
     assert [r["steal"] for r in result["retimed"]] == [0.0, pytest.approx(0.10)]
@@ -330,6 +335,25 @@ def test_a_block_that_lost_cpus_to_steal_is_timed_again_whole(models, monkeypatc
         ("specmlx:2", 0), ("specmlx:2", 1), ("target", 0), ("target", 1)
     ]  # fmt: skip
     assert all(r["steal"] == 0.0 for r in result["runs"])
+
+
+def test_a_block_timed_again_is_announced_and_its_runs_say_again(models, monkeypatch):
+    # Its runs' progress came a second time word for word, as if printed twice by mistake.
+    from specmlx.cli.bench import progress_line
+
+    steal_in_the_first_blocks_second_run(monkeypatch)
+    lines = []
+    run_fake_bench(models["target"], repeat=2, progress=lambda e: lines.append(progress_line(e)))
+    assert [line.split(" · elapsed")[0] for line in lines] == [
+        "run 1/4 · prompt 1/1 p/0 · target · T=1",
+        "run 2/4 · prompt 1/1 p/0 · specmlx:2 · T=1",
+        "runs 1–2 timed again (1 of at most 2): the hypervisor took 10% of the CPUs during "
+        "them, over the 2% limit",
+        "run 1/4 (again) · prompt 1/1 p/0 · target · T=1",
+        "run 2/4 (again) · prompt 1/1 p/0 · specmlx:2 · T=1",
+        "run 3/4 · prompt 1/1 p/0 · specmlx:2 · T=1",
+        "run 4/4 · prompt 1/1 p/0 · target · T=1",
+    ]
 
 
 # ---------------------------------------------------------------- end to end, on tiny models

@@ -91,9 +91,12 @@ def run_bench(
     """Run every (prompt, temperature, mode) in the interleaved order; return the result.
 
     `cold_start` holds the caller's load timings (process start to models ready).
-    `progress` is called before each run with {phase, index, total, prompt, prompts,
-    mode, temperature, elapsed_s, eta_s, records}. The result holds every raw record,
-    the summary rows, the settings and the machine.
+    `progress` is called before each run with {phase: "run", index, total, prompt,
+    prompts, mode, temperature, elapsed_s, eta_s, records, retime} (retime: 0, or which
+    timing again of its block this is), and before a block is timed again with {phase:
+    "retime", first, last, total, steal, limit, retime, retimes} (the block's run indices,
+    the worst share of the CPUs the hypervisor took during it). The result holds every
+    raw record, the summary rows, the settings and the machine.
     """
     check_max_tokens(max_tokens)
     if repeat < 1:
@@ -158,6 +161,20 @@ def run_bench(
             if attempt == RETIMES or all((r.steal or 0.0) <= STEAL_LIMIT for r in timed):
                 break
             retimed += timed
+            # Said before the block's runs start again, so that their progress does not
+            # read as the same runs reported twice.
+            progress(
+                {
+                    "phase": "retime",
+                    "first": start,
+                    "last": start + len(block) - 1,
+                    "total": len(order),
+                    "steal": max(r.steal or 0.0 for r in timed),
+                    "limit": STEAL_LIMIT,
+                    "retime": attempt + 1,
+                    "retimes": RETIMES,
+                }
+            )
         records += timed
         for prompt, temp, mode in block:
             done[(prompt.id, temp, mode.name)] += 1

@@ -158,6 +158,30 @@ def _stdout_console() -> Console:
     return out if out.is_terminal else Console(width=180)
 
 
+def progress_line(event: dict) -> str:
+    """What the bench says on stderr at each event of lib.run_bench: a warm-up call, a run,
+    or a block about to be timed again (its runs then say "again", as they are reported
+    a second time)."""
+    if event["phase"] == "warmup":
+        return (
+            f"warm-up {event['index'] + 1}/{event['total']} · {event['mode']} · "
+            f"T={event['temperature']:g}"
+        )
+    if event["phase"] == "retime":
+        return (
+            f"runs {event['first'] + 1}–{event['last'] + 1} timed again "
+            f"({event['retime']} of at most {event['retimes']}): the hypervisor took "
+            f"{event['steal']:.0%} of the CPUs during them, over the {event['limit']:.0%} limit"
+        )
+    again = " (again)" if event.get("retime") else ""
+    return (
+        f"run {event['index'] + 1}/{event['total']}{again} · prompt {event['prompt'] + 1}/"
+        f"{event['prompts']} {event['prompt_id']} · {event['mode']} · "
+        f"T={event['temperature']:g} · elapsed {_duration(event['elapsed_s'])} · "
+        f"ETA {_duration(event['eta_s'])}"
+    )
+
+
 def _write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -313,11 +337,8 @@ def bench(
     )
 
     def progress(event: dict) -> None:
-        if event["phase"] == "warmup":
-            log(
-                f"warm-up {event['index'] + 1}/{event['total']} · {event['mode']} · "
-                f"T={event['temperature']:g}"
-            )
+        log(progress_line(event))
+        if event["phase"] != "run":
             return
         if json_path is not None and event["records"] and event["index"] % len(modes) == 0:
             # A long run that dies still leaves its finished blocks on disk.
@@ -326,12 +347,6 @@ def bench(
                 {"schema": lib.SCHEMA, "partial": True,
                  "runs": [r.to_dict() for r in event["records"]]},
             )  # fmt: skip
-        log(
-            f"run {event['index'] + 1}/{event['total']} · prompt {event['prompt'] + 1}/"
-            f"{event['prompts']} {event['prompt_id']} · {event['mode']} · "
-            f"T={event['temperature']:g} · elapsed {_duration(event['elapsed_s'])} · "
-            f"ETA {_duration(event['eta_s'])}"
-        )
 
     result = lib.run_bench(
         target,
