@@ -370,10 +370,17 @@ def weights_for_mlx_lm(by_file: dict[str, dict[str, mx.array]]) -> Iterator[None
 
 def map_weights(header: Header) -> tuple[dict[str, mx.array], list[mx.array], str]:
     """Every tensor of the file: over a read-only mapping where its offset allows, else
-    read by mx.load (lazily, so only those are copied). Returns (weights, the mapped
-    arrays, ''), or ({}, [], why) when the file cannot be mapped (mx.load reads it all)."""
+    read by mx.load (lazily, so only those are copied). A file with unaligned tensors
+    (mx.save_safetensors') is mapped through its aligned copy in $SPECMLX_HOME/mapped
+    (specmlx.aligned), made on its first load. Returns (weights, the mapped arrays, ''),
+    or ({}, [], why) when the file cannot be mapped (mx.load reads it all)."""
+    from . import aligned
     from .cpu import native
 
+    source, no_copy = header, ""
+    if aligned.needs_copy(header):
+        copy, no_copy = aligned.aligned_copy(header)
+        header = copy or header
     names = list(header.tensors)
     entries = [
         (t.begin, list(t.shape), SAFETENSORS_DTYPES[t.dtype]) for t in header.tensors.values()
@@ -381,12 +388,12 @@ def map_weights(header: Header) -> tuple[dict[str, mx.array], list[mx.array], st
     try:
         arrays = native.op("map_tensors")(str(header.path), entries)
     except ValueError as e:  # open/mmap refused, or the file changed since its header
-        read_header(header.path)  # a file cut short since is one line, not a fallback
+        read_header(source.path)  # a file cut short since is one line, not a fallback
         return {}, [], f"mapping {header.path.name} failed ({one_line(e, 120)})"
     mapped = [a for a in arrays if a is not None]
     if not mapped:
-        return {}, [], "no tensor lies at an 8-byte-aligned offset"
-    unaligned = mx.load(str(header.path)) if len(mapped) < len(arrays) else {}
+        return {}, [], f"no tensor lies at an 8-byte-aligned offset, and no aligned copy: {no_copy}"
+    unaligned = mx.load(str(source.path)) if len(mapped) < len(arrays) else {}
     weights = {n: unaligned[n] if a is None else a for n, a in zip(names, arrays, strict=True)}
     return weights, mapped, ""
 

@@ -69,8 +69,12 @@ class Header:
     metadata: dict[str, str]
 
 
-def read_header(path: Path) -> Header:
-    """Read and check `path`'s header, reading nothing past it; SpecmlxError if it is bad."""
+def read_header(path: Path, max_gap: int = 0) -> Header:
+    """Read and check `path`'s header, reading nothing past it; SpecmlxError if it is bad.
+
+    `max_gap`: how many bytes before a tensor may belong to none, for a file that pads
+    its tensors to an alignment (specmlx.aligned's copies); the format's own files have
+    none."""
     path = Path(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -100,7 +104,7 @@ def read_header(path: Path) -> Header:
         name: _tensor_info(path, name, entry, data_bytes, 8 + header_bytes)
         for name, entry in header.items()
     }
-    _check_ranges_tile(path, tensors, 8 + header_bytes, data_bytes)
+    _check_ranges_tile(path, tensors, 8 + header_bytes, data_bytes, max_gap)
     return Header(path, 8 + header_bytes, tensors, metadata)
 
 
@@ -174,20 +178,21 @@ def _tensor_info(path: Path, name: str, entry, data_bytes: int, data_start: int)
 
 
 def _check_ranges_tile(
-    path: Path, tensors: dict[str, TensorInfo], data_start: int, data_bytes: int
+    path: Path, tensors: dict[str, TensorInfo], data_start: int, data_bytes: int, max_gap: int
 ) -> None:
     """The ranges must cover the data section exactly: no overlap, no hole, nothing after.
 
     The format requires it, the reference reader (and so every Hugging Face tool) refuses
     files that break it, and writers (safetensors, mx.save_safetensors, specmlx quantize)
     pack tensors back to back. A gap or trailing bytes therefore means a header that no
-    longer describes its file (a shard cut short and re-padded, offsets edited).
+    longer describes its file (a shard cut short and re-padded, offsets edited). A padded
+    file (max_gap > 0) may leave up to max_gap bytes before each tensor, no more.
     """
     position = data_start
     for name, info in sorted(tensors.items(), key=lambda item: (item[1].begin, item[1].end)):
         if info.begin < position:
             raise _bad(path, f"tensor {_quote(name)} overlaps the tensor before it")
-        if info.begin > position:
+        if info.begin > position + max_gap:
             raise _bad(
                 path, f"{info.begin - position} bytes before tensor {_quote(name)} belong to none"
             )

@@ -82,7 +82,10 @@ def test_mapped_tensors_equal_mx_load(tmp_path):
         assert mx.array_equal(weights[name], array).item(), name
 
 
-def test_unaligned_tensor_is_read_by_copy_with_the_same_values(tmp_path):
+def test_without_an_aligned_copy_an_unaligned_tensor_is_read_by_copy_with_the_same_values(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("SPECMLX_MAPPED_CACHE_GB", "0")  # as where the cache cannot be written
     file = tmp_path / "w.safetensors"
     mx.random.seed(1)
     tensors = {"odd": mx.arange(3, dtype=mx.uint8), "after": mx.random.normal((5, 4))}
@@ -94,13 +97,20 @@ def test_unaligned_tensor_is_read_by_copy_with_the_same_values(tmp_path):
         assert mx.array_equal(weights[name], array).item(), name
 
 
-def test_a_file_with_no_aligned_tensor_is_read_by_mx_load_and_says_why(model_dirs):
-    """mx.save_safetensors (the tiny models') starts the data where the header ends."""
+def test_a_file_with_no_aligned_tensor_and_no_aligned_copy_is_read_by_mx_load_and_says_why(
+    model_dirs, monkeypatch
+):
+    """mx.save_safetensors (the tiny models') starts the data where the header ends; with
+    no aligned copy allowed (tests/test_aligned_cache.py has them) nothing can be mapped."""
+    monkeypatch.setenv("SPECMLX_MAPPED_CACHE_GB", "0")
     headers = [read_header(model_dirs["target"] / "model.safetensors")]
     misaligned = {n: t for n, t in headers[0].tensors.items() if t.begin % 8}
     if len(misaligned) < len(headers[0].tensors):
         pytest.skip("this tiny model happens to have aligned tensors")
-    assert loading.map_weights(headers[0]) == ({}, [], "no tensor lies at an 8-byte-aligned offset")
+    weights, mapped, why = loading.map_weights(headers[0])
+    assert (weights, mapped) == ({}, [])
+    assert why.startswith("no tensor lies at an 8-byte-aligned offset")
+    assert "SPECMLX_MAPPED_CACHE_GB=0" in why
 
 
 def test_arrays_outlive_the_loader_and_the_mapping_goes_with_the_last(tmp_path):

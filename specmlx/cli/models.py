@@ -118,12 +118,15 @@ def rm(
     name: str = typer.Argument(..., help="A directory name as `specmlx models` lists it."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask first."),
 ) -> None:
-    """Delete one model directory from $SPECMLX_HOME/models."""
+    """Delete one model directory from $SPECMLX_HOME/models (and its cached aligned copies)."""
     path = inventory.removable(name)
     size = human_bytes(inventory.directory_size(path))
     if not yes and not confirmed(f"remove {path} ({size})?"):
         print("nothing removed")
         raise typer.Exit(1)
+    from .. import aligned  # no mlx: the copies are found by their headers
+
+    aligned.forget(path)  # its aligned copies in $SPECMLX_HOME/mapped go with it
     shutil.rmtree(path)
     print(f"removed {path} ({size})")
 

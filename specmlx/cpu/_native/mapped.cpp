@@ -11,8 +11,9 @@
 // every weight at every call. In the file the 8 bytes before a tensor are the end of the
 // one before it (or of the JSON header), so each tensor gets a private (copy-on-write)
 // mapping of its own pages, the tensor's byte count is written in front of it there (one
-// page per tensor becomes private: 4 KiB), and the mapping is then made read-only. The
-// other thing that reads the size, donation (is_donatable(in, out)), first asks
+// page per tensor becomes private: 4 KiB), and the mapping is then made read-only; where
+// the file already holds the count there (specmlx.aligned's copies pad each tensor so that
+// it does), nothing is written and no page becomes private. The other thing that reads the size, donation (is_donatable(in, out)), first asks
 // in.is_donatable(), which is false for Data that the allocator does not own: no op writes
 // into a mapped tensor, and a write would fault.
 #include "mapped.h"
@@ -82,15 +83,22 @@ std::pair<std::shared_ptr<Mapping>, char*> map_tensor(
   const uint64_t header = offset - sizeof(size_t);
   const uint64_t start = header / page * page;
   const size_t length = static_cast<size_t>(offset + bytes - start);
-  void* base = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, static_cast<off_t>(start));
+  const size_t size = static_cast<size_t>(bytes);
+  size_t in_file = 0;
+  const bool written = pread(fd, &in_file, sizeof(in_file), static_cast<off_t>(header)) ==
+          static_cast<ssize_t>(sizeof(in_file)) &&
+      in_file == size;
+  const int prot = written ? PROT_READ : PROT_READ | PROT_WRITE;
+  void* base = mmap(nullptr, length, prot, MAP_PRIVATE, fd, static_cast<off_t>(start));
   if (base == MAP_FAILED) {
     throw std::invalid_argument(errno_text("cannot map", path));
   }
   auto mapping = std::make_shared<Mapping>(base, length);
-  const size_t size = static_cast<size_t>(bytes);
-  std::memcpy(static_cast<char*>(base) + (header - start), &size, sizeof(size));
-  if (mprotect(base, length, PROT_READ) != 0) {
-    throw std::invalid_argument(errno_text("cannot make read-only a mapping of", path));
+  if (!written) {
+    std::memcpy(static_cast<char*>(base) + (header - start), &size, sizeof(size));
+    if (mprotect(base, length, PROT_READ) != 0) {
+      throw std::invalid_argument(errno_text("cannot make read-only a mapping of", path));
+    }
   }
   return {mapping, static_cast<char*>(base) + (offset - start)};
 }

@@ -1,0 +1,279 @@
+"""Aligned copies of safetensors files, kept in $SPECMLX_HOME/mapped so they can be mapped.
+
+A tensor can be used in place over a mapping of its file only at an 8-byte-aligned
+offset (specmlx/cpu/_native/mapped.cpp). mx.save_safetensors, and so mlx_lm.convert and
+every mlx-community model, starts the data section wherever the JSON header ends: most of
+its tensors are unaligned and would be copied into private memory by every process, at
+every start. Such a file gets one copy here instead: the same tensors and metadata (plus
+the source's identity), each tensor on a 64-byte boundary with its byte count in the 8
+bytes before it, where MLX's CPU buffers keep their size, so that mapping it writes
+nothing (no page of the copy becomes private). Written once, to a temporary name then
+renamed; every later start, in any process, maps it.
+
+A copy is named by a hash of its source's resolved path, size and mtime, so a changed
+source is never served an old copy; before it is used it is checked as any file is
+(its header against its size, specmlx.safetensors) and against the source's header, and
+one that fails (truncated, foreign, stale) is written again. The directory is bounded
+(`evict`): copies whose source is gone or changed go first, then the least recently used
+until the total fits SPECMLX_MAPPED_CACHE_GB, by default twice the largest model it holds.
+SPECMLX_MAPPED_CACHE_GB=0 makes no copies (the unaligned tensors are read by mx.load).
+No mlx here: the CLI's `models rm` calls `forget` without loading it.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import secrets
+import struct
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from .errors import SpecmlxError
+from .paths import home
+from .safetensors import Header, read_header
+
+ENV_LIMIT = "SPECMLX_MAPPED_CACHE_GB"
+# 64: a cache line, and what the kernels' vector loads like; any tensor needs only 8.
+ALIGNMENT = 64
+SIZE_BYTES = 8  # MLX's CPU buffer keeps its byte count in the 8 bytes before its data
+MAX_GAP = SIZE_BYTES + ALIGNMENT - 1  # the padding before a tensor, at most
+SOURCES = "specmlx.sources"  # metadata: JSON list of [resolved path, size, mtime_ns]
+# A temporary file this old is a writer that died, not one still writing.
+STALE_TEMP_S = 3600
+COPY_CHUNK = 64 << 20
+
+
+def cache_dir() -> Path:
+    return home() / "mapped"
+
+
+def needs_copy(header: Header) -> bool:
+    """Whether some tensor lies where it cannot be mapped in place."""
+    return any(t.begin % SIZE_BYTES for t in header.tensors.values())
+
+
+def identity(path: Path) -> list:
+    """[resolved path, size, mtime_ns]: what a cached copy of `path` is a copy of."""
+    resolved = Path(path).resolve()
+    st = resolved.stat()
+    return [str(resolved), st.st_size, st.st_mtime_ns]
+
+
+def cache_path(sources: list[list], kind: str = "aligned") -> Path:
+    text = json.dumps([kind, sources], separators=(",", ":"))
+    return cache_dir() / f"{hashlib.sha256(text.encode()).hexdigest()[:40]}.safetensors"
+
+
+def limit_bytes() -> int | None:
+    """SPECMLX_MAPPED_CACHE_GB in bytes; None when unset (twice the largest model)."""
+    text = os.environ.get(ENV_LIMIT, "").strip()
+    if not text:
+        return None
+    try:
+        gb = float(text)
+    except ValueError:
+        gb = -1.0
+    if not gb >= 0 or gb == float("inf"):
+        raise SpecmlxError(f"{ENV_LIMIT} must be a number of GB >= 0, got {text!r}")
+    return int(gb * 1e9)
+
+
+def aligned_copy(header: Header) -> tuple[Header | None, str]:
+    """The header of `header`'s file's aligned copy, written first where there is none
+    (or only a bad one); (None, why) where there cannot be one."""
+    limit = limit_bytes()
+    if limit == 0:
+        return None, f"{ENV_LIMIT}=0"
+    sources = [identity(header.path)]
+    file = cache_path(sources)
+    copy = valid_copy(file, header, sources)
+    if copy is not None:
+        touch(file)
+        return copy, ""
+    layout, header_bytes, total = plan(header, sources)
+    if limit is not None and total > limit:
+        return None, f"its aligned copy ({total / 1e9:.2f} GB) is over {ENV_LIMIT}={limit / 1e9:g}"
+    try:
+        write(header, sources, file, layout, header_bytes, total)
+    except OSError as e:  # a read-only or full disk: the tensors are copied as before
+        return None, f"cannot write an aligned copy in {cache_dir()} ({e.strerror or e})"
+    if identity(header.path) != sources[0]:  # rewritten while it was copied
+        file.unlink(missing_ok=True)
+        return None, f"{header.path.name} changed while it was copied"
+    evict(keep={file}, limit=limit)
+    return valid_copy(file, header, sources), ""
+
+
+def valid_copy(file: Path, header: Header, sources: list[list]) -> Header | None:
+    """`file`'s header where it is a whole aligned copy of `header`'s tensors, from
+    `sources`; else None (absent, truncated, corrupt or another file's)."""
+    try:
+        copy = read_header(file, max_gap=MAX_GAP)
+    except (OSError, SpecmlxError):
+        return None
+    ours = {k: v for k, v in copy.metadata.items() if k != SOURCES}
+    if copy.metadata.get(SOURCES) != json.dumps(sources) or ours != header.metadata:
+        return None
+    if copy.tensors.keys() != header.tensors.keys():
+        return None
+    for name, info in header.tensors.items():
+        c = copy.tensors[name]
+        if (c.dtype, c.shape) != (info.dtype, info.shape) or c.begin % ALIGNMENT:
+            return None
+    return copy
+
+
+def plan(header: Header, sources: list[list]) -> tuple[dict[str, tuple[int, int]], int, int]:
+    """Where each tensor goes in the copy (data offsets), the JSON's padded length and the
+    file's size. The data section starts on an ALIGNMENT boundary, so an aligned data
+    offset is an aligned file offset; the tensors keep their order."""
+    layout, end = {}, 0
+    for name, info in sorted(header.tensors.items(), key=lambda item: item[1].begin):
+        begin = -(-(end + SIZE_BYTES) // ALIGNMENT) * ALIGNMENT
+        end = begin + info.end - info.begin
+        layout[name] = (begin, end)
+    raw = len(header_json(header, sources, layout))
+    header_bytes = -(-(SIZE_BYTES + raw) // ALIGNMENT) * ALIGNMENT - SIZE_BYTES
+    return layout, header_bytes, SIZE_BYTES + header_bytes + end
+
+
+def header_json(header: Header, sources: list[list], layout: dict) -> bytes:
+    entries: dict = {"__metadata__": {**header.metadata, SOURCES: json.dumps(sources)}}
+    for name, info in header.tensors.items():
+        entries[name] = {
+            "dtype": info.dtype,
+            "shape": list(info.shape),
+            "data_offsets": list(layout[name]),
+        }
+    return json.dumps(entries, separators=(",", ":")).encode()
+
+
+def write(
+    header: Header, sources: list[list], file: Path, layout: dict, header_bytes: int, total: int
+) -> None:
+    """Write the copy beside `file`, then rename it into place: a reader sees the whole
+    copy or none. The padding is a hole (ftruncate); each size field is 8 bytes."""
+    text = header_json(header, sources, layout)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    temp = file.with_name(f".{file.stem}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    data_start = SIZE_BYTES + header_bytes
+    try:
+        with open(header.path, "rb") as src, open(temp, "wb") as out:
+            out.truncate(total)
+            out.write(struct.pack("<Q", header_bytes) + text.ljust(header_bytes))
+            for name, info in header.tensors.items():
+                begin = data_start + layout[name][0]
+                nbytes = info.end - info.begin
+                os.pwrite(out.fileno(), struct.pack("<Q", nbytes), begin - SIZE_BYTES)
+                copy_range(src.fileno(), out.fileno(), info.begin, begin, nbytes)
+            os.fsync(out.fileno())  # renamed only once its bytes are on disk
+        os.replace(temp, file)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+
+
+def copy_range(src: int, dst: int, src_at: int, dst_at: int, nbytes: int) -> None:
+    """nbytes from src_at to dst_at, in the kernel where it can (no buffer in this process)."""
+    done = 0
+    while done < nbytes:
+        n = 0
+        if hasattr(os, "copy_file_range"):
+            try:
+                n = os.copy_file_range(src, dst, nbytes - done, src_at + done, dst_at + done)
+            except OSError as e:
+                if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+        if n == 0:  # not supported here, or the source ended: read and write
+            chunk = os.pread(src, min(COPY_CHUNK, nbytes - done), src_at + done)
+            if not chunk:
+                raise OSError(errno.EIO, "the source ended before its tensors did")
+            n = os.pwrite(dst, chunk, dst_at + done)
+        done += n
+
+
+def touch(file: Path) -> None:
+    """Mark `file` used now: its atime is the LRU's clock (mtime stays the write's)."""
+    try:
+        os.utime(file, ns=(time.time_ns(), file.stat().st_mtime_ns))
+    except OSError:  # a read-only cache still serves its copies
+        pass
+
+
+def entries() -> list[tuple[Path, os.stat_result, list[list]]]:
+    """Each cached file, its stat and its sources ([] where its header is unreadable)."""
+    found = []
+    for file in cache_dir().glob("*.safetensors"):
+        try:
+            st = file.stat()
+            sources = json.loads(read_header(file, max_gap=MAX_GAP).metadata[SOURCES])
+        except (OSError, SpecmlxError, KeyError, ValueError):
+            sources = []
+            try:
+                st = file.stat()
+            except OSError:
+                continue
+        found.append((file, st, sources))
+    return found
+
+
+def is_current(sources: list[list]) -> bool:
+    try:
+        return bool(sources) and all(identity(Path(s[0])) == s for s in sources)
+    except (OSError, TypeError, IndexError):
+        return False
+
+
+def evict(keep: Iterable[Path] = (), limit: int | None = None) -> list[Path]:
+    """Bound the cache: remove temporary files of dead writers, copies whose source is
+    gone or changed, then the least recently used until the total is at most `limit`
+    (None: twice the largest model, a model being the copies of one directory's files).
+    Never `keep`. A process that has a removed copy mapped keeps its pages: an unlinked
+    file lives on until unmapped. Returns what was removed."""
+    keep = set(keep)
+    removed = []
+    now = time.time()
+    for temp in cache_dir().glob(".*.tmp"):
+        try:
+            if now - temp.stat().st_mtime > STALE_TEMP_S:
+                temp.unlink()
+                removed.append(temp)
+        except OSError:
+            pass
+    live = []
+    for file, st, sources in entries():
+        if file not in keep and not is_current(sources):
+            file.unlink(missing_ok=True)
+            removed.append(file)
+        else:
+            live.append((file, st, sources))
+    if limit is None:
+        models: dict[str, int] = {}
+        for _, st, sources in live:
+            model = str(Path(sources[0][0]).parent) if sources else ""
+            models[model] = models.get(model, 0) + st.st_size
+        limit = 2 * max(models.values(), default=0)
+    total = sum(st.st_size for _, st, _ in live)
+    for file, st, _ in sorted(live, key=lambda entry: entry[1].st_atime_ns):
+        if total <= limit:
+            break
+        if file not in keep:
+            file.unlink(missing_ok=True)
+            removed.append(file)
+            total -= st.st_size
+    return removed
+
+
+def forget(model_dir: Path) -> list[Path]:
+    """Remove the cached copies made from files in `model_dir` (its model deleted)."""
+    root = Path(model_dir).resolve()
+    removed = []
+    for file, _, sources in entries():
+        if any(Path(s[0]).is_relative_to(root) for s in sources):
+            file.unlink(missing_ok=True)
+            removed.append(file)
+    return removed
