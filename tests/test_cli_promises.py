@@ -76,6 +76,19 @@ def test_ctrl_c_in_generate_says_interrupted_and_exits_130(endless_target, home)
     assert stderr.endswith("interrupted\n") and "Traceback" not in stderr, stderr
 
 
+def test_ctrl_c_in_generate_says_the_stats_of_what_it_generated_then_interrupted(
+    endless_target, home
+):
+    args = ["generate", "--model", str(endless_target), "--no-draft", "-p", "hi", "-n", "100000"]
+    # --verbose notes each round as its tokens stream: once one is noted, tokens were made
+    rc, stderr = interrupt_once_started([*args, "--verbose"], home, "round 1:")
+    assert rc == 130, stderr
+    *_, stats, memory, last = stderr.splitlines()
+    assert re.match(r"\d+ tokens? · [\d.]+ tok/s · TTFT [\d.]+ s · prefill ", stats), stderr
+    assert memory.startswith("peak memory: ") and last == "interrupted", stderr
+    assert "Traceback" not in stderr
+
+
 def test_ctrl_c_in_bench_says_interrupted_and_exits_130(endless_target, model_dirs, home):
     args = ["bench", "--model", str(endless_target), "--draft", str(model_dirs["perturbed"])]
     args += ["--no-mlx-lm", "--no-warmup", "-g", "2", "-t", "0", "-n", "100000"]

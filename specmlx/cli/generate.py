@@ -143,6 +143,9 @@ def generate(
         except KeyboardInterrupt:
             if text_out and not scripted:  # end the line of text: "interrupted" gets its own
                 sys.stdout.write("\n")
+                sys.stdout.flush()
+            if gen.stats.tokens:  # what was generated is measured: say it, as at the end
+                say_stats(log, gen, target, drafter, timings["cold_start_s"])
             raise
         finally:
             gen.close()  # stopped at a stop string: the rest is never decoded
@@ -194,7 +197,16 @@ def generate(
         print(json.dumps({"done": True, **out} if as_jsonl else out, ensure_ascii=False))
     else:
         sys.stdout.write("\n")
-        cpu = f" · {report.cpu_tag(target)}" if backend() == "cpu" else ""
-        line = report.stats_line(stats, report.plain_note(stats, drafter is not None), stopped)
-        log(f"{line}{cpu} · first token {first_token_s:.2f} s after start")
-        log(report.memory_line())
+        say_stats(log, gen, target, drafter, timings["cold_start_s"], stopped)
+
+
+def say_stats(log, gen, target, drafter, cold_start_s: float, stopped: bool = False) -> None:
+    """The reply's stats line and the memory line, through `log`: at the reply's end, or
+    after a Ctrl-C, for the tokens it had generated."""
+    from ..loading import backend
+
+    cpu = f" · {report.cpu_tag(target)}" if backend() == "cpu" else ""
+    line = report.stats_line(gen.stats, report.plain_note(gen.stats, drafter is not None), stopped)
+    first_token_s = cold_start_s + gen.stats.ttft
+    log(f"{line}{cpu} · first token {first_token_s:.2f} s after start")
+    log(report.memory_line())
