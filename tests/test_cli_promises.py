@@ -231,6 +231,14 @@ def test_help_shows_flags_as_flags(command, home):
         assert re.search(r"^ +--no-draft +Plain decoding", run.stdout, re.MULTILINE), run.stdout
 
 
+def test_serve_help_says_its_default_temperature_differs_from_generates(home):
+    run = specmlx("serve", "--help", home=home)
+    assert run.returncode == 0, run.stderr
+    said = " ".join(run.stdout.split())  # the help is wrapped to the terminal's width
+    assert "A request that gives no temperature samples at 1.0, OpenAI's default, where " in said
+    assert 'decode greedily (their -t defaults to 0): send "temperature": 0 for theirs.' in said
+
+
 def test_version_prints_the_installed_version_and_exits_0(home):
     from importlib.metadata import version
 

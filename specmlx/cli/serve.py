@@ -40,7 +40,11 @@ def serve(
         4.0, "--cache-gb", help="Memory for the KV caches kept between requests, in GiB."
     ),
 ) -> None:
-    """Serve the model pair over an OpenAI-compatible HTTP API (chat and completions)."""
+    """Serve the model pair over an OpenAI-compatible HTTP API (chat and completions).
+
+    A request that gives no temperature samples at 1.0, OpenAI's default, where generate
+    and chat decode greedily (their -t defaults to 0): send "temperature": 0 for theirs.
+    """
     num_draft = options.check_settings(max_tokens, 0.0, 1.0, 0, gamma, draft_mode, sampling)
     if cache_gb < 0:
         raise SpecmlxError(f"--cache-gb must be >= 0, got {cache_gb}")
