@@ -130,6 +130,16 @@ def terminal_console():
     return out, Console(file=out, force_terminal=True, force_interactive=True, width=100)
 
 
+def test_the_conversion_bar_counts_bytes_in_binary_units():
+    from specmlx.cli import progress
+
+    out, console = terminal_console()
+    bar = progress.conversion_bar(console)
+    bar.add_task("quantizing", total=3 * 2**20, completed=3 * 2**19, tensors="")
+    console.print(bar.make_tasks_table(bar.tasks))
+    assert "1.5/3.0 MiB" in out.getvalue(), out.getvalue()
+
+
 def test_a_prefill_of_one_chunk_still_running_after_a_while_is_drawn():
     import time
 

@@ -92,7 +92,11 @@ def gguf(
     err = Console(stderr=True, soft_wrap=True, highlight=False)
     log = lambda msg: err.print(msg, style="dim", markup=False)  # noqa: E731
     bar = Progress(
-        BarColumn(), DownloadColumn(), TimeRemainingColumn(), console=err, transient=True
+        BarColumn(),
+        DownloadColumn(binary_units=True),  # MiB, GiB: as every size specmlx prints
+        TimeRemainingColumn(),
+        console=err,
+        transient=True,
     )
     task = None
 

@@ -32,7 +32,7 @@ def conversion_bar(console: Console) -> Progress:
         TextColumn("{task.description}"),
         BarColumn(),
         TaskProgressColumn(),
-        DownloadColumn(),
+        DownloadColumn(binary_units=True),  # MiB, GiB: as every size specmlx prints
         TextColumn("{task.fields[tensors]}"),
         TimeElapsedColumn(),
         TimeRemainingColumn(),
