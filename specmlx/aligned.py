@@ -17,6 +17,10 @@ one that fails (truncated, foreign, stale) is written again. The directory is bo
 (`evict`): copies whose source is gone or changed go first, then the least recently used
 until the total fits SPECMLX_MAPPED_CACHE_GB, by default twice the largest model it holds.
 SPECMLX_MAPPED_CACHE_GB=0 makes no copies (the unaligned tensors are read by mx.load).
+
+Other bytes derived from a model's files alone (specmlx.cpu.packing's packed tiles) are
+kept here the same way, as byte tensors (`find_blobs`, `store_blobs`), named by what they
+are made of and the files they are made from, and bounded and forgotten with the copies.
 No mlx here: the CLI's `models rm` calls `forget` without loading it.
 """
 
@@ -29,7 +33,8 @@ import os
 import secrets
 import struct
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import SpecmlxError
@@ -42,9 +47,11 @@ ALIGNMENT = 64
 SIZE_BYTES = 8  # MLX's CPU buffer keeps its byte count in the 8 bytes before its data
 MAX_GAP = SIZE_BYTES + ALIGNMENT - 1  # the padding before a tensor, at most
 SOURCES = "specmlx.sources"  # metadata: JSON list of [resolved path, size, mtime_ns]
+KIND = "specmlx.kind"  # metadata of stored blobs: what they are (their cache key)
 # A temporary file this old is a writer that died, not one still writing.
 STALE_TEMP_S = 3600
-COPY_CHUNK = 64 << 20
+# 20 digits: no byte count or offset has more, so a header sized for it fits the real one.
+MOST_DIGITS = 10**19
 
 
 def cache_dir() -> Path:
@@ -64,6 +71,7 @@ def identity(path: Path) -> list:
 
 
 def cache_path(sources: list[list], kind: str = "aligned") -> Path:
+    """Where the cache keeps `kind` made from `sources`: named by a hash of both."""
     text = json.dumps([kind, sources], separators=(",", ":"))
     return cache_dir() / f"{hashlib.sha256(text.encode()).hexdigest()[:40]}.safetensors"
 
@@ -104,8 +112,68 @@ def aligned_copy(header: Header) -> tuple[Header | None, str]:
     if identity(header.path) != sources[0]:  # rewritten while it was copied
         file.unlink(missing_ok=True)
         return None, f"{header.path.name} changed while it was copied"
-    evict(keep={file}, limit=limit)
+    evict(keep=sources, limit=limit)
     return valid_copy(file, header, sources), ""
+
+
+def find_blobs(kind: str, sources: list[list], names: list[str]) -> Header | None:
+    """The header of the stored blobs `names` of `kind`, from `sources`, where a whole file
+    of them is cached; None where not (or SPECMLX_MAPPED_CACHE_GB=0)."""
+    if limit_bytes() == 0:
+        return None
+    file = cache_path(sources, kind)
+    try:
+        found = read_header(file, max_gap=MAX_GAP)
+    except (OSError, SpecmlxError):
+        return None
+    meta = found.metadata
+    if meta.get(SOURCES) != json.dumps(sources) or meta.get(KIND) != kind:
+        return None
+    if sorted(found.tensors) != sorted(names):
+        return None
+    if any(t.dtype != "U8" or t.begin % ALIGNMENT for t in found.tensors.values()):
+        return None
+    touch(file)
+    return found
+
+
+def store_blobs(kind: str, sources: list[list], names: list[str], blobs: Iterator) -> Header:
+    """Write the blobs `names` (the iterator yields (name, buffer) in that order, one at a
+    time, so only one need be in memory) as 1-D U8 tensors laid out as the copies are,
+    then rename the file into place and bound the cache. OSError where it cannot."""
+    file = cache_path(sources, kind)
+    metadata = {SOURCES: json.dumps(sources), KIND: kind}
+    widest = {name: (MOST_DIGITS, MOST_DIGITS) for name in names}
+    reserved = len(blobs_json(metadata, widest))
+    header_bytes = -(-(SIZE_BYTES + reserved) // ALIGNMENT) * ALIGNMENT - SIZE_BYTES
+    data_start = SIZE_BYTES + header_bytes
+    layout: dict[str, tuple[int, int]] = {}
+    end = 0
+    with writing(file) as out:
+        staged = Staged(out)
+        staged.write(b"\0" * data_start, 0)  # the header's place, written last
+        for name, blob in blobs:
+            data = memoryview(blob).cast("B")
+            begin = -(-(end + SIZE_BYTES) // ALIGNMENT) * ALIGNMENT
+            staged.write(struct.pack("<Q", data.nbytes), data_start + begin - SIZE_BYTES)
+            staged.write(data, data_start + begin)
+            end = begin + data.nbytes
+            layout[name] = (begin, end)
+        staged.flush()
+        if list(layout) != list(names):
+            raise OSError(errno.EINVAL, "the blobs written are not the ones named")
+        text = blobs_json(metadata, layout)
+        write_all(out, struct.pack("<Q", header_bytes) + text.ljust(header_bytes), 0)
+        os.ftruncate(out, data_start + end)
+    evict(keep=sources, limit=limit_bytes())
+    return read_header(file, max_gap=MAX_GAP)
+
+
+def blobs_json(metadata: dict, layout: dict[str, tuple[int, int]]) -> bytes:
+    entries: dict = {"__metadata__": metadata}
+    for name, (begin, end) in layout.items():
+        entries[name] = {"dtype": "U8", "shape": [end - begin], "data_offsets": [begin, end]}
+    return json.dumps(entries, separators=(",", ":")).encode()
 
 
 def valid_copy(file: Path, header: Header, sources: list[list]) -> Header | None:
@@ -158,42 +226,92 @@ def write(
     """Write the copy beside `file`, then rename it into place: a reader sees the whole
     copy or none. The padding is a hole (ftruncate); each size field is 8 bytes."""
     text = header_json(header, sources, layout)
+    data_start = SIZE_BYTES + header_bytes
+    with open(header.path, "rb") as src, writing(file) as out:
+        staged = Staged(out)
+        staged.write(struct.pack("<Q", header_bytes) + text.ljust(header_bytes), 0)
+        for name in layout:  # in the copy's order: forward
+            info = header.tensors[name]
+            begin = data_start + layout[name][0]
+            nbytes = info.end - info.begin
+            staged.write(struct.pack("<Q", nbytes), begin - SIZE_BYTES)
+            staged.copy(src.fileno(), info.begin, nbytes, begin)
+        staged.flush()
+        os.ftruncate(out, total)
+
+
+@contextmanager
+def writing(file: Path) -> Iterator[int]:
+    """A descriptor of a temporary file beside `file`, renamed to it once written and
+    synced (a reader sees all of it or none), removed if the writing fails."""
     file.parent.mkdir(parents=True, exist_ok=True)
     temp = file.with_name(f".{file.stem}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    data_start = SIZE_BYTES + header_bytes
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
-        with open(header.path, "rb") as src, open(temp, "wb") as out:
-            out.truncate(total)
-            out.write(struct.pack("<Q", header_bytes) + text.ljust(header_bytes))
-            for name, info in header.tensors.items():
-                begin = data_start + layout[name][0]
-                nbytes = info.end - info.begin
-                os.pwrite(out.fileno(), struct.pack("<Q", nbytes), begin - SIZE_BYTES)
-                copy_range(src.fileno(), out.fileno(), info.begin, begin, nbytes)
-            os.fsync(out.fileno())  # renamed only once its bytes are on disk
+        try:
+            yield fd
+            os.fsync(fd)  # renamed only once its bytes are on disk
+        finally:
+            os.close(fd)
         os.replace(temp, file)
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
 
 
-def copy_range(src: int, dst: int, src_at: int, dst_at: int, nbytes: int) -> None:
-    """nbytes from src_at to dst_at, in the kernel where it can (no buffer in this process)."""
-    done = 0
-    while done < nbytes:
-        n = 0
-        if hasattr(os, "copy_file_range"):
-            try:
-                n = os.copy_file_range(src, dst, nbytes - done, src_at + done, dst_at + done)
-            except OSError as e:
-                if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-        if n == 0:  # not supported here, or the source ended: read and write
-            chunk = os.pread(src, min(COPY_CHUNK, nbytes - done), src_at + done)
-            if not chunk:
+def write_all(fd: int, data, at: int) -> None:
+    data = memoryview(data).cast("B")
+    while data:
+        n = os.pwrite(fd, data, at)
+        data, at = data[n:], at + n
+
+
+class Staged:
+    """Writes at increasing offsets of a file, staged and written a whole aligned 2 MiB at
+    a time: the page cache then holds the file in 2 MiB folios where the filesystem can
+    (ext4 and xfs on recent kernels), which a mapping of the file maps as huge pages. A
+    decode step streams every weight once; on 4 KiB pages that is a TLB miss every 4 KiB
+    (the packed tiles' anonymous copies are on huge pages for the same reason)."""
+
+    PIECE = 2 << 20
+
+    def __init__(self, fd: int):
+        self.fd, self.base, self.end = fd, 0, 0
+        self.piece = bytearray(self.PIECE)
+
+    def _to(self, at: int) -> memoryview:
+        """Room in the piece from `at` on, after writing out the piece before it."""
+        if at < self.base:
+            raise ValueError("staged writes go forward only")
+        if at >= self.base + self.PIECE:
+            self.flush()
+            self.base = at - at % self.PIECE
+        self.end = max(self.end, at)
+        return memoryview(self.piece)[at - self.base :]
+
+    def write(self, data, at: int) -> None:
+        data = memoryview(data).cast("B")
+        while data:
+            room = self._to(at)
+            n = min(len(room), len(data))
+            room[:n] = data[:n]
+            data, at = data[n:], at + n
+            self.end = max(self.end, at)
+
+    def copy(self, src: int, src_at: int, nbytes: int, at: int) -> None:
+        """nbytes of file `src` from src_at, read straight into the piece."""
+        while nbytes:
+            room = self._to(at)[:nbytes]
+            n = os.preadv(src, [room], src_at)
+            if n <= 0:
                 raise OSError(errno.EIO, "the source ended before its tensors did")
-            n = os.pwrite(dst, chunk, dst_at + done)
-        done += n
+            src_at, at, nbytes = src_at + n, at + n, nbytes - n
+            self.end = max(self.end, at)
+
+    def flush(self) -> None:
+        if self.end > self.base:
+            write_all(self.fd, memoryview(self.piece)[: self.end - self.base], self.base)
+        self.piece[:] = bytes(self.PIECE)
 
 
 def touch(file: Path) -> None:
@@ -228,13 +346,14 @@ def is_current(sources: list[list]) -> bool:
         return False
 
 
-def evict(keep: Iterable[Path] = (), limit: int | None = None) -> list[Path]:
+def evict(keep: Iterable[list] = (), limit: int | None = None) -> list[Path]:
     """Bound the cache: remove temporary files of dead writers, copies whose source is
     gone or changed, then the least recently used until the total is at most `limit`
-    (None: twice the largest model, a model being the copies of one directory's files).
-    Never `keep`. A process that has a removed copy mapped keeps its pages: an unlinked
-    file lives on until unmapped. Returns what was removed."""
-    keep = set(keep)
+    (None: twice the largest model, a model being what was made from one directory's
+    files). Never what was made from a source in `keep` (the model being loaded). A
+    process that has a removed copy mapped keeps its pages: an unlinked file lives on
+    until unmapped. Returns what was removed."""
+    keep = [list(s) for s in keep]
     removed = []
     now = time.time()
     for temp in cache_dir().glob(".*.tmp"):
@@ -246,22 +365,23 @@ def evict(keep: Iterable[Path] = (), limit: int | None = None) -> list[Path]:
             pass
     live = []
     for file, st, sources in entries():
-        if file not in keep and not is_current(sources):
+        kept = any(s in keep for s in sources)
+        if not kept and not is_current(sources):
             file.unlink(missing_ok=True)
             removed.append(file)
         else:
-            live.append((file, st, sources))
+            live.append((file, st, sources, kept))
     if limit is None:
         models: dict[str, int] = {}
-        for _, st, sources in live:
+        for _, st, sources, _ in live:
             model = str(Path(sources[0][0]).parent) if sources else ""
             models[model] = models.get(model, 0) + st.st_size
         limit = 2 * max(models.values(), default=0)
-    total = sum(st.st_size for _, st, _ in live)
-    for file, st, _ in sorted(live, key=lambda entry: entry[1].st_atime_ns):
+    total = sum(st.st_size for _, st, _, _ in live)
+    for file, st, _, kept in sorted(live, key=lambda entry: entry[1].st_atime_ns):
         if total <= limit:
             break
-        if file not in keep:
+        if not kept:
             file.unlink(missing_ok=True)
             removed.append(file)
             total -= st.st_size

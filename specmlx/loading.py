@@ -375,7 +375,7 @@ def map_weights(header: Header) -> tuple[dict[str, mx.array], list[mx.array], st
     (specmlx.aligned), made on its first load. Returns (weights, the mapped arrays, ''),
     or ({}, [], why) when the file cannot be mapped (mx.load reads it all)."""
     from . import aligned
-    from .cpu import native
+    from .cpu import native, packing
 
     source, no_copy = header, ""
     if aligned.needs_copy(header):
@@ -395,6 +395,10 @@ def map_weights(header: Header) -> tuple[dict[str, mx.array], list[mx.array], st
         return {}, [], f"no tensor lies at an 8-byte-aligned offset, and no aligned copy: {no_copy}"
     unaligned = mx.load(str(source.path)) if len(mapped) < len(arrays) else {}
     weights = {n: unaligned[n] if a is None else a for n, a in zip(names, arrays, strict=True)}
+    file = aligned.identity(source.path)
+    for name, array in zip(names, arrays, strict=True):
+        if array is not None:  # its bytes are the file's: what it packs to can be cached
+            packing.note_source(array, file, name)
     return weights, mapped, ""
 
 

@@ -216,3 +216,100 @@ def test_a_model_through_its_copy_generates_what_a_copied_one_does(tmp_path, mon
         for m in (mapped, copied)
     ]
     assert runs[0] == runs[1] and len(runs[0]) > 0
+
+
+def tiny_int4(path, seed: int = 0):
+    """A tiny qwen2 quantized to INT4 g32 and saved as mlx_lm.convert saves one."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    path = build_tiny_model(path, seed=seed)
+    model = specmlx.load(path, native=False)
+    nn.quantize(model.module, group_size=32, bits=4)
+    save_unaligned(path / "model.safetensors", dict(tree_flatten(model.module.parameters())))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization"] = {"group_size": 32, "bits": 4}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def packed_layers(model) -> list:
+    from specmlx.cpu.quantized import NativeQuantizedLinear
+
+    layers = [m for m in model.module.modules() if isinstance(m, NativeQuantizedLinear)]
+    if not layers or any(m.packed_tiles is None for m in layers):
+        pytest.skip("no packed tiles here (they need int8 x on AVX-512 VNNI or AVX2)")
+    return layers
+
+
+def packed_files(home) -> list:
+    kinds = {c: read_header(c, aligned.MAX_GAP).metadata for c in copies(home)}
+    return [c for c, meta in kinds.items() if meta.get(aligned.KIND, "").startswith("packed")]
+
+
+def test_packed_tiles_are_mapped_from_the_cache_equal_to_a_fresh_pack(
+    tmp_path, home, int8_activations
+):
+    from specmlx.cpu import native
+
+    layers = packed_layers(specmlx.load(tiny_int4(tmp_path / "q"), lazy=False))
+    (packed,) = packed_files(home)
+    assert str(packed) in {line.split()[-1] for line in open("/proc/self/maps")}
+    pack = native.op("pack_quads")
+    for m in layers:
+        fresh = pack([[m["weight"], m["scales"], m["biases"]]], m.group_size)[0]
+        assert mx.array_equal(m.packed_tiles, fresh).item()
+
+
+def test_a_second_load_packs_nothing(tmp_path, home, int8_activations, monkeypatch):
+    from specmlx.cpu import native
+
+    path = tiny_int4(tmp_path / "q")
+    specmlx.load(path, lazy=False)
+
+    def refuse(*args):
+        raise AssertionError("packed again")
+
+    monkeypatch.setattr(native._ext, "pack_quads", refuse)
+    assert len(packed_layers(specmlx.load(path, lazy=False))) > 0
+
+
+def test_tiles_from_the_cache_decode_what_tiles_packed_in_memory_do(
+    tmp_path, home, int8_activations, monkeypatch
+):
+    from specmlx.engine import encode_prompt, generate
+
+    path = tiny_int4(tmp_path / "q")
+    cached = specmlx.load(path, lazy=False)
+    packed_layers(cached)
+    monkeypatch.setenv(aligned.ENV_LIMIT, "0")  # no cache: packed in private memory
+    in_memory = specmlx.load(path, lazy=False)
+    packed_layers(in_memory)
+    ids = encode_prompt(cached, "def fibonacci(n):")
+    runs = [
+        [s.token for s in generate(m, ids, max_tokens=16, temperature=0, num_draft=0)]
+        for m in (cached, in_memory)
+    ]
+    assert runs[0] == runs[1] and len(runs[0]) > 0
+
+
+def test_another_build_of_the_extension_packs_its_own_tiles(
+    tmp_path, home, int8_activations, monkeypatch
+):
+    """A rebuilt kernel may lay its tiles out otherwise: it never reads another build's."""
+    from specmlx.cpu import native
+
+    path = tiny_int4(tmp_path / "q")
+    specmlx.load(path, lazy=False)
+    (first,) = packed_files(home)
+    monkeypatch.setattr(native, "build_id", lambda: "another")
+    packed_layers(specmlx.load(path, lazy=False))
+    assert len(packed_files(home)) == 2 and first in packed_files(home)
+
+
+def test_forgetting_a_model_removes_its_packed_tiles_too(tmp_path, home, int8_activations):
+    path = tiny_int4(tmp_path / "q")
+    packed_layers(specmlx.load(path, lazy=False))
+    assert len(copies(home)) == 2  # the aligned copy and the packed tiles
+    aligned.forget(path)
+    assert copies(home) == []

@@ -27,10 +27,12 @@ constexpr uint64_t kMappedAlignment = 8;
 
 // Map `path` read-only and return, per tensor, an array over its own mapping of the file's
 // pages (no copy), or nullopt where its offset is not a multiple of kMappedAlignment (the
-// caller copies it). A tensor's mapping is unmapped when the last array (or view of one)
-// using it is freed; a background thread faults the pages in meanwhile. Every
-// range is checked against the file's size at mapping time (std::invalid_argument): a
-// file cut since its header was read would otherwise be a SIGBUS at the first touch.
+// caller copies it); where every tensor already has its byte count in the 8 bytes before
+// it, one mapping of the whole file serves them all. A mapping is unmapped when the last
+// array (or view of one) using it is freed; a background thread faults the pages in
+// meanwhile. Every range is checked against the file's size at mapping time
+// (std::invalid_argument): a file cut since its header was read would otherwise be a
+// SIGBUS at the first touch.
 std::vector<std::optional<mx::array>> map_tensors(
     const std::string& path, const std::vector<MappedTensor>& tensors);
 
