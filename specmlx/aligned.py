@@ -29,6 +29,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import mmap
 import os
 import secrets
 import struct
@@ -159,7 +160,7 @@ def store_blobs(kind: str, sources: list[list], names: list[str], blobs: Iterato
             staged.write(data, data_start + begin)
             end = begin + data.nbytes
             layout[name] = (begin, end)
-        staged.flush()
+        staged.close()
         if list(layout) != list(names):
             raise OSError(errno.EINVAL, "the blobs written are not the ones named")
         text = blobs_json(metadata, layout)
@@ -236,7 +237,7 @@ def write(
             nbytes = info.end - info.begin
             staged.write(struct.pack("<Q", nbytes), begin - SIZE_BYTES)
             staged.copy(src.fileno(), info.begin, nbytes, begin)
-        staged.flush()
+        staged.close()
         os.ftruncate(out, total)
 
 
@@ -277,7 +278,9 @@ class Staged:
 
     def __init__(self, fd: int):
         self.fd, self.base, self.end = fd, 0, 0
-        self.piece = bytearray(self.PIECE)
+        # Its own anonymous mapping, not the heap's: returned whole when closed, where
+        # malloc would keep a freed 2 MiB in the process.
+        self.piece = mmap.mmap(-1, self.PIECE)
 
     def _to(self, at: int) -> memoryview:
         """Room in the piece from `at` on, after writing out the piece before it."""
@@ -311,7 +314,11 @@ class Staged:
     def flush(self) -> None:
         if self.end > self.base:
             write_all(self.fd, memoryview(self.piece)[: self.end - self.base], self.base)
-        self.piece[:] = bytes(self.PIECE)
+        self.piece.madvise(mmap.MADV_DONTNEED)  # zeros: the padding of the next piece
+
+    def close(self) -> None:
+        self.flush()
+        self.piece.close()
 
 
 def touch(file: Path) -> None:
