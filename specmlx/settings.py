@@ -55,7 +55,7 @@ def check_draft_mode(draft_mode: str | None) -> str | None:
 # How tokens are drawn at temperature > 0 while speculating (what each guarantees: the
 # comment above sampling.position_keys), and the default.
 SAMPLINGS = ("rejection", "coupled")
-DEFAULT_SAMPLING = "rejection"
+DEFAULT_SAMPLING = "coupled"
 
 
 def check_sampling(sampling: str | None) -> str:

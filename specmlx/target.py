@@ -7,9 +7,10 @@ queues ahead. The engine asks it for one of two things a round:
 - `verify(last, proposal, key)`: ONE pass over [last emitted token, *drafts], the drafts
   a chain or a tree (specmlx.tree); accept/reject on the device; the cache keeps exactly
   the accepted path. A tree runs with a tree mask and each node at its depth's position,
-  and its kept entries are compacted, on every attention cache (caches.TREE_KINDS); on a
-  recurrent state, and at temperature > 0 (multi-candidate rejection sampling is not
-  built yet), its first path is verified as a chain, which is exact, and the Verdict
+  and its kept entries are compacted, on every attention cache (caches.TREE_KINDS),
+  greedy or coupled (each node judged against the target's own token at its parent); on
+  a recurrent state, and under rejection sampling (multi-candidate rejection sampling is
+  not built yet), its first path is verified as a chain, which is exact, and the Verdict
   says so.
 - `step(last, key, next_key, room)`: one plain pass. While Python handles its token the
   device may already compute the next plain pass (as mlx-lm's generate_step does): it is

@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from .cpu import argmax
-from .sampling import SamplingParams, probabilities, sample
+from .sampling import SamplingParams, inverse_cdf, probabilities, sample
 
 
 def accept_reject(
@@ -183,8 +183,11 @@ def accept_coupled(
 
 def own_draws(p: mx.array, keys: mx.array) -> mx.array:
     """(rows,) the token sample() draws from each row of p with that row's key: what a
-    plain step at that position draws (the same shapes, so the same uniforms)."""
-    return mx.concatenate([sample(p[i : i + 1], keys[i]) for i in range(p.shape[0])])
+    plain step at that position draws (each row's uniforms drawn as sample() draws a
+    one-row distribution's, then one inverse CDF over all the rows)."""
+    u = [1.0 - mx.random.uniform(shape=(2, 1), key=keys[i]) for i in range(p.shape[0])]
+    u = mx.concatenate(u, axis=1)  # (2, rows), in (0, 1]
+    return inverse_cdf(p, u[0], u[1])
 
 
 def accept_tree(

@@ -5,8 +5,10 @@ and compare the joint distribution of (first, second) token with the target's ex
 joint distribution, enumerated on the tiny 300-token vocabulary (one batched forward
 over every possible first token). Chi-square at significance 0.001 with cells of
 expected count < 5 merged. A draft that is the target itself, a perturbed copy and an
-unrelated model are each tried at T = 1.0 and at T = 0.7 with top-p 0.9. The control
-test shows the same check rejects a sampler that emits the draft's tokens unchecked.
+unrelated model are each tried at T = 1.0 and at T = 0.7 with top-p 0.9, under modified
+rejection sampling; coupled sampling (the default) with the perturbed draft and with
+prompt lookup. The control tests show the same check rejects a sampler, of either kind,
+that emits the draft's tokens unchecked.
 
 Power: with 3,000 samples the test rejects at 0.001 a sampler off by a total
 variation of ~0.1 on the main cells with probability > 0.99 (the control's deviation
@@ -81,14 +83,24 @@ def no_eos(tmp_path_factory):
 @pytest.mark.parametrize("draft", ["target", "perturbed", "unrelated"])
 def test_first_two_tokens_follow_the_target_distribution(no_eos, draft, setting):
     target = no_eos["target"]
-    counts = sampled_pairs(target, no_eos[draft], SETTINGS[setting])
+    counts = sampled_pairs(target, no_eos[draft], SETTINGS[setting], sampling="rejection")
     assert chi_square_pvalue(counts, exact_joint(target, SETTINGS[setting])) > ALPHA
 
 
-def test_prompt_lookup_drafts_keep_the_target_distribution(no_eos):
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_coupled_sampling_follows_the_target_distribution(no_eos, setting):
+    target = no_eos["target"]
+    counts = sampled_pairs(target, no_eos["perturbed"], SETTINGS[setting], sampling="coupled")
+    assert chi_square_pvalue(counts, exact_joint(target, SETTINGS[setting])) > ALPHA
+
+
+@pytest.mark.parametrize("sampling", ["rejection", "coupled"])
+def test_prompt_lookup_drafts_keep_the_target_distribution(no_eos, sampling):
     # [5, 17] recurs, so lookup proposes [42, 5, ...] as point-mass drafts each round.
     target, settings, prompt = no_eos["target"], SETTINGS["T=1.0"], [5, 17, 42, 5, 17]
-    counts = sampled_pairs(target, None, settings, prompt=prompt, draft_mode="lookup")
+    counts = sampled_pairs(
+        target, None, settings, prompt=prompt, draft_mode="lookup", sampling=sampling
+    )
     assert chi_square_pvalue(counts, exact_joint(target, settings, prompt)) > ALPHA
 
 
@@ -109,7 +121,9 @@ def test_rounds_the_drafts_confidence_ends_early_keep_the_target_distribution(no
     monkeypatch.setattr(Scheduler, "choose", lambda s, remaining=None, behind=None: Choice(3))
     monkeypatch.setattr(Scheduler, "keep_drafting", keep_drafting)
     target, settings = no_eos["target"], SETTINGS["T=1.0"]
-    counts = sampled_pairs(target, no_eos["perturbed"], settings, gamma="auto", max_tokens=4)
+    counts = sampled_pairs(
+        target, no_eos["perturbed"], settings, gamma="auto", max_tokens=4, sampling="rejection"
+    )
     assert 0.2 < np.mean(stops) < 0.8  # both lengths were verified, many times each
     assert chi_square_pvalue(counts, exact_joint(target, settings)) > ALPHA
 
@@ -123,7 +137,22 @@ def test_the_check_rejects_a_sampler_that_trusts_the_draft(no_eos, monkeypatch):
     verify.make_verifier.cache_clear()
     try:
         target, settings = no_eos["target"], SETTINGS["T=1.0"]
-        counts = sampled_pairs(target, no_eos["unrelated"], settings)
+        counts = sampled_pairs(target, no_eos["unrelated"], settings, sampling="rejection")
+    finally:
+        verify.make_verifier.cache_clear()
+    assert chi_square_pvalue(counts, exact_joint(target, settings)) < ALPHA
+
+
+def test_the_check_rejects_a_coupled_sampler_that_trusts_the_draft(no_eos, monkeypatch):
+    def accept_everything(p, draft_tokens, keys):
+        g = draft_tokens.shape[0]
+        return mx.array(g), verify.sample(p[g : g + 1], keys[g])
+
+    monkeypatch.setattr(verify, "accept_coupled", accept_everything)
+    verify.make_verifier.cache_clear()
+    try:
+        target, settings = no_eos["target"], SETTINGS["T=1.0"]
+        counts = sampled_pairs(target, no_eos["unrelated"], settings, sampling="coupled")
     finally:
         verify.make_verifier.cache_clear()
     assert chi_square_pvalue(counts, exact_joint(target, settings)) < ALPHA

@@ -324,7 +324,7 @@ def test_a_sessions_first_draft_proposal_is_not_taken_as_the_drafts_cost(no_eos)
     drafter.start([1, 2, 3, 4])
     greedy = lambda logits, key: (None, logits.argmax(-1))  # noqa: E731
     for expected in (None, 3):
-        proposal = drafter.propose(3, mx.random.key(0), greedy)
+        proposal = drafter.propose(3, mx.random.split(mx.random.key(0), 3), greedy)
         assert proposal.fed == 0  # no backlog: a clean figure but for being the first
         summary = RoundSummary(
             Plan(drafter, 3), "model", 3, 3, 1, 0.0, 0.0, fed=proposal.fed, first=proposal.first
@@ -386,7 +386,7 @@ def test_the_drafts_backlog_counts_the_prompt_until_it_has_taken_it(no_eos):
     drafter.start([1, 2, 3, 4, 5])
     assert drafter.behind == 4
     greedy = lambda logits, key: (None, logits.argmax(-1))  # noqa: E731
-    proposal = drafter.propose(2, mx.random.key(0), greedy)
+    proposal = drafter.propose(2, mx.random.split(mx.random.key(0), 2), greedy)
     drafter.commit(proposal, told([7]))  # its first draft rejected: the target's token
     assert drafter.behind == 0
     drafter.commit(None, told([8]))  # two plain rounds it sat out

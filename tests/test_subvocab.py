@@ -96,7 +96,7 @@ def test_q_is_zero_outside_the_sub_vocab_and_sums_to_one(pair):
     drafter = cut(draft)
     drafter.start(PROMPT)
     draw = make_sampler(SamplingParams(temperature=1.0), draft.vocab_size)
-    proposal = drafter.propose(6, mx.random.key(0), draw)
+    proposal = drafter.propose(6, mx.random.split(mx.random.key(0), 6), draw)
     q = np.array(proposal.q)
     outside = np.setdiff1d(np.arange(draft.vocab_size), np.array(drafter.head.ids))
     assert q.shape == (6, draft.vocab_size)
@@ -150,7 +150,7 @@ def test_a_draft_cut_to_the_special_tokens_proposes_its_eos_where_it_ranks_first
     special = mx.array(always_in(draft))
     best = int(special[mx.argmax(logits[special])].item())
     draw = make_sampler(SamplingParams(), draft.vocab_size)
-    proposal = drafter.propose(1, mx.random.key(0), draw)
+    proposal = drafter.propose(1, mx.random.split(mx.random.key(0), 1), draw)
     assert proposal.tokens.tolist() == [best]
     assert eos in always_in(draft)
 
@@ -179,7 +179,7 @@ def test_a_sub_vocab_covering_everything_equals_the_full_head_bitwise(
     proposals = []
     for drafter in (full, whole):
         drafter.start(PROMPT)
-        proposals.append(drafter.propose(5, mx.random.key(7), draw))
+        proposals.append(drafter.propose(5, mx.random.split(mx.random.key(7), 5), draw))
     a, b = proposals
     assert a.tokens.tolist() == b.tokens.tolist()
     if temperature:
