@@ -104,8 +104,8 @@ def aligned_copy(header: Header) -> tuple[Header | None, str]:
         touch(file)
         return copy, ""
     layout, header_bytes, total = plan(header, sources)
-    if limit is not None and total > limit:
-        return None, f"its aligned copy ({total / 1e9:.2f} GB) is over {ENV_LIMIT}={limit / 1e9:g}"
+    if not fits(sources, total, file):
+        return None, f"its aligned copy ({total / 1e9:.2f} GB) would not fit {ENV_LIMIT}"
     try:
         write(header, sources, file, layout, header_bytes, total)
     except OSError as e:  # a read-only or full disk: the tensors are copied as before
@@ -115,6 +115,25 @@ def aligned_copy(header: Header) -> tuple[Header | None, str]:
         return None, f"{header.path.name} changed while it was copied"
     evict(keep=sources, limit=limit)
     return valid_copy(file, header, sources), ""
+
+
+def fits(sources: list[list], nbytes: int, file: Path) -> bool:
+    """Whether `file`, of `nbytes`, made from `sources`, fits an explicit
+    SPECMLX_MAPPED_CACHE_GB beside what is cached for the same model (the one bound
+    `evict` cannot enforce: it never removes the model being loaded). The default bound
+    grows with the largest model, so anything fits it."""
+    limit = limit_bytes()
+    if limit is None:
+        return True
+    model = {str(Path(s[0]).parent) for s in sources}
+    used = sum(
+        st.st_size
+        for other, st, made_from in entries()
+        if other != file
+        and is_current(made_from)
+        and any(str(Path(s[0]).parent) in model for s in made_from)
+    )
+    return used + nbytes <= limit
 
 
 def find_blobs(kind: str, sources: list[list], names: list[str]) -> Header | None:

@@ -163,12 +163,13 @@ def test_by_default_the_bound_is_twice_the_largest_model(tmp_path, home):
     assert sum(sizes) <= 2 * largest and len(sizes) < 5
 
 
-def test_a_copy_that_would_not_fit_the_bound_is_not_made(tmp_path, home, monkeypatch):
+@pytest.mark.parametrize("limit", ["0", "0.000001"])  # none at all; 1000 bytes
+def test_a_copy_that_would_not_fit_the_bound_is_not_made(tmp_path, home, monkeypatch, limit):
     file = tmp_path / "w.safetensors"
     save_unaligned(file, sample())
-    monkeypatch.setenv(aligned.ENV_LIMIT, "0")
+    monkeypatch.setenv(aligned.ENV_LIMIT, limit)
     weights, mapped, why = loading.map_weights(read_header(file))
-    assert (weights, mapped) == ({}, []) and f"{aligned.ENV_LIMIT}=0" in why
+    assert (weights, mapped) == ({}, []) and aligned.ENV_LIMIT in why
     assert copies(home) == []
 
 
@@ -313,3 +314,19 @@ def test_forgetting_a_model_removes_its_packed_tiles_too(tmp_path, home, int8_ac
     assert len(copies(home)) == 2  # the aligned copy and the packed tiles
     aligned.forget(path)
     assert copies(home) == []
+
+
+def test_packed_tiles_that_would_not_fit_the_bound_are_packed_in_memory(
+    tmp_path, home, int8_activations, monkeypatch
+):
+    path = tiny_int4(tmp_path / "q")
+    packed_layers(specmlx.load(path, lazy=False))
+    (tiles,) = packed_files(home)
+    sizes = {c: c.stat().st_size for c in copies(home)}
+    for c in copies(home):
+        c.unlink()
+    bound = sizes[tiles] // 2 + sum(size for c, size in sizes.items() if c != tiles)
+    monkeypatch.setenv(aligned.ENV_LIMIT, str(bound / 1e9))
+    packed_layers(specmlx.load(path, lazy=False))
+    assert packed_files(home) == [] and len(copies(home)) == 1
+    assert sum(c.stat().st_size for c in copies(home)) <= bound

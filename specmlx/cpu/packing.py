@@ -112,6 +112,9 @@ def cached_packs(parts: list[list[mx.array]], group_size: int) -> list[mx.array]
     try:
         header = aligned.find_blobs(kind, sources, names)
         if header is None:
+            about = sum(a.nbytes for triple in parts for a in triple)  # what packing keeps
+            if not aligned.fits(sources, about, aligned.cache_path(sources, kind)):
+                return None
             blobs = ((n, pack_quads([p], group_size)[0]) for n, p in zip(names, parts, strict=True))
             header = aligned.store_blobs(kind, sources, names, blobs)
         entries = []
