@@ -46,7 +46,7 @@ from .caches import (
     verifies_trees,
 )
 from .errors import SpecmlxError
-from .heads import body_and_head, cuttable
+from .lm_head import body_and_head, cuttable
 from .loading import Model, backend
 from .proposal import Proposal, Verdict, point_mass
 from .sampling import SamplingParams

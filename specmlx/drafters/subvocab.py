@@ -32,7 +32,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..errors import SpecmlxError
-from ..heads import cuttable, head_layer
+from ..lm_head import cuttable, head_layer
 from ..loading import Model
 
 # The default size (None: the full head), by measurement: bench/results/draft_head.md.

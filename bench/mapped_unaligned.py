@@ -13,7 +13,7 @@ load of a tiny model has paid what any first load costs (imports, the tokenizer 
   loads while another process holds the model, as a second user would.
 
 Each variant runs with the packed tiles on (the default where they run) and off
-(SPECMLX_PACK=0). Usage: python bench/results/mapped_unaligned.py [--layers 4] [--runs 3]
+(SPECMLX_PACK=0). Usage: python -m bench mapped_unaligned [--layers 4] [--runs 3]
 """
 
 from __future__ import annotations
@@ -139,11 +139,11 @@ def growth(r: dict, weights: int) -> str:
     return f"{grown / 2**20:6.1f} MiB ({grown / weights:5.1%})"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--runs", type=int, default=3)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     from specmlx.tiny import build_tiny_model
 
     root = Path(tempfile.mkdtemp(prefix="mapped-unaligned-"))
