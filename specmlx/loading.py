@@ -3,9 +3,10 @@
 Weights are mapped where they can be: on the CPU-only build with the native extension,
 each safetensors tensor becomes an MLX array over a read-only mapping of the file
 (specmlx/cpu/_native/mapped.cpp), so the weights stay in the page cache, shared by every
-process on the same model, and a warm start copies nothing. Tensors that cannot be used
-in place (an offset that is not 8-byte aligned, a dtype the dtype policy converts) are
-copied and counted. Elsewhere (Metal, CUDA, no extension, SPECMLX_MMAP=0) they are
+process on the same model, and a warm start copies nothing. A file whose tensors are not
+8-byte aligned (what mx.save_safetensors writes) is mapped through an aligned copy kept in
+$SPECMLX_HOME/mapped (specmlx.aligned); tensors the dtype policy converts are copied and
+counted. Elsewhere (Metal, CUDA, no extension, SPECMLX_MMAP=0) they are
 read by mx.load, lazily: each tensor copied into MLX's memory when first used. The model
 is mlx-lm's class for its architecture, built without importing mlx-lm's loader (or
 transformers) where specmlx.mlxlm can; the tokenizer is specmlx.tokenizer's over
@@ -35,6 +36,7 @@ from mlx.utils import tree_flatten, tree_map
 from . import cpu, exactness, mlxlm, stepwise
 from .errors import SpecmlxError
 from .safetensors import Header, read_header
+from .wording import counted, human_bytes
 
 # Files a model needs; everything else in a hub repo (READMEs, GGUFs, ONNX) is skipped.
 HUB_PATTERNS = [
@@ -422,10 +424,10 @@ def count_in_place(module: nn.Module, mapped: list[mx.array], unavailable: str) 
 
 def describe_reading(reading: dict) -> str:
     """One line's worth: how a model's weights were read (see count_in_place)."""
-    gb = 1e9
-    copied = f"{reading['copied']} tensors copied ({reading['copied_bytes'] / gb:.2f} GB)"
+    tensors = counted(reading["copied"], "tensor")
+    copied = f"{tensors} copied ({human_bytes(reading['copied_bytes'])})"
     if reading["how"] == "mapped":
-        return f"mapped, {reading['in_place_bytes'] / gb:.2f} GB in place, {copied}"
+        return f"mapped, {human_bytes(reading['in_place_bytes'])} in place, {copied}"
     return f"mx.load, {copied} ({reading['why']})"
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import SpecmlxError
+from .wording import human_bytes
 
 # Bytes per element of each dtype the format defines and MLX loads (MLX reads the F8 kinds
 # it knows as raw uint8, which is how quantized checkpoints use them).
@@ -83,7 +84,11 @@ def read_header(path: Path, max_gap: int = 0) -> Header:
             raise _bad(path, f"the file is {size} bytes, too short for a header (truncated)")
         (header_bytes,) = struct.unpack("<Q", length_field)
         if header_bytes > MAX_HEADER_BYTES:
-            raise _bad(path, f"header length field says {header_bytes} bytes, over 100 MB")
+            raise _bad(
+                path,
+                f"header length field says {header_bytes} bytes, "
+                f"over {human_bytes(MAX_HEADER_BYTES)}",
+            )
         if header_bytes > size - 8:
             raise _bad(
                 path,
