@@ -5,6 +5,10 @@ the output is the target's distribution exactly, as plain sampling's is."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import mlx.core as mx
 import pytest
 
@@ -91,3 +95,20 @@ def test_an_unknown_sampling_is_refused_in_one_line(pair):
     with pytest.raises(specmlx.SpecmlxError, match="sampling must be one of") as error:
         run(target, sampling="gumbel")
     assert "\n" not in str(error.value)
+
+
+def test_generate_with_a_seed_prints_one_reply_run_after_run(tmp_path):
+    # auto's rounds follow measured timings and the cost cache each run updates, and a
+    # fixed γ drafts other rounds again: the reply follows none of them, and it is the
+    # reply --no-draft prints at that seed
+    env = {**os.environ, "SPECMLX_HOME": str(tmp_path)}
+    args = [sys.executable, "-m", "specmlx", "generate", "--model", "tiny", "-p", "hi"]
+    args += ["-n", "24", "-t", "1", "--seed", "3", "--quiet"]
+
+    def reply(*extra: str) -> str:
+        run = subprocess.run([*args, *extra], capture_output=True, text=True, env=env)
+        assert run.returncode == 0, run.stderr
+        return run.stdout
+
+    replies = {reply() for _ in range(3)} | {reply("-g", "1"), reply("-g", "3")}  # these draft
+    assert len(replies) == 1 and replies == {reply("--no-draft")}
