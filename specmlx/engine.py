@@ -23,6 +23,7 @@ from .errors import SpecmlxError
 from .loading import Model, backend, check_pair
 from .policy import AutoGamma, FixedGamma, Policy, RoundSummary, load_costs, save_costs
 from .policy.choice import Scheduler
+from .policy.costs import Costs, band_start, from_shorter
 from .sampling import SamplingParams, position_keys
 from .settings import MAX_GAMMA, check_seed, check_settings
 from .target import Target, kernels
@@ -158,7 +159,7 @@ class Session:
         self.model, self.draft, self.max_gamma = target, draft, max_gamma
         self.target = Target(target)
         self._schedulers: dict[tuple[str, str], Scheduler] = {}
-        self._costs: dict[str, object] = {}
+        self._costs: dict[tuple[str, int], Costs] = {}
         self.reset()
 
     def reset(self) -> None:
@@ -173,45 +174,67 @@ class Session:
         """The caches its drafters keep (a draft model's), for what a Session holds."""
         return [d.cache for d in self.made.values() if isinstance(getattr(d, "cache", None), list)]
 
-    def cost_key(self, drafter_id: str) -> str:
+    def cost_key(self, drafter_id: str, band: int = 0) -> str:
         """Costs depend on the target, the drafter (a draft model's dtype and head: a
-        sub-vocabulary makes its pass cheaper) and the backend (and its kernels, compiled
-        or not, and which build of them)."""
-        return f"{self.cost_kernels(drafter_id)}{kernels()[1]}"
+        sub-vocabulary makes its pass cheaper), the context's length (policy.costs'
+        bands) and the backend (and its kernels, compiled or not, and which build)."""
+        return f"{self.cost_kernels(drafter_id, band)}{kernels()[1]}"
 
-    def cost_kernels(self, drafter_id: str) -> str:
+    def cost_kernels(self, drafter_id: str, band: int = 0) -> str:
         """The cost key but for the kernels' build: what a rebuilt kernel's key starts with."""
-        return f"{self.cost_kin(drafter_id)}{kernels()[0]}; build "
+        return f"{self.cost_kin(drafter_id, band)}{kernels()[0]}; build "
 
-    def cost_kin(self, drafter_id: str) -> str:
+    def cost_kin(self, drafter_id: str, band: int = 0) -> str:
         """What cost keys of the same models on other kernels start with: their costs are
         this pair's first guess (policy.load_costs)."""
         m = self.model
-        return f"{m.path}:{m.dtype}:{m.weights or 'as stored'}|{drafter_id}|{backend()}|"
+        context = f"context {band_start(band)}+|" if band else ""
+        return f"{m.path}:{m.dtype}:{m.weights or 'as stored'}|{drafter_id}|{backend()}|{context}"
+
+    def costs(self, which: str, band: int = 0) -> Costs:
+        """The measured costs of a drafter (by cost_id) at a band of context length: kept
+        from earlier runs, else a kin's (other kernels), else, beyond the first band, what
+        does not grow with the context from the band below (costs.from_shorter)."""
+        if (which, band) not in self._costs:
+            kins = (self.cost_kernels(which, band), self.cost_kin(which, band))
+            costs = load_costs(self.cost_key(which, band), kins)
+            if band and costs == Costs():
+                costs = from_shorter(self.costs(which, band - 1))
+            self._costs[(which, band)] = costs
+        return self._costs[(which, band)]
 
     def schedulers(self, drafters: list[Drafter]) -> dict[str, Scheduler]:
         """A γ scheduler per drafter. A drafter that costs a pass has costs of its own;
         free ones share the target's cost curve with the call's first costly drafter."""
-        costly = [d for d in drafters if not registry.is_free(d)]
-        shared = cost_id(costly[0]) if costly else "-:full head"
         out = {}
         for d in drafters:
-            which = shared if registry.is_free(d) else cost_id(d)
-            if which not in self._costs:
-                kins = (self.cost_kernels(which), self.cost_kin(which))
-                self._costs[which] = load_costs(self.cost_key(which), kins)
+            which = self._which(d, drafters)
             key = (d.name, which)
             if key not in self._schedulers:
                 free = registry.is_free(d)
-                self._schedulers[key] = Scheduler(self._costs[which], self.max_gamma, free)
+                self._schedulers[key] = Scheduler(self.costs(which), self.max_gamma, free)
             out[d.name] = self._schedulers[key]
         return out
+
+    def costs_at(self, drafters: list[Drafter]):
+        """band -> {drafter name: its costs there}, for the policy to price each round at
+        the context the target holds."""
+        return lambda band: {d.name: self.costs(self._which(d, drafters), band) for d in drafters}
+
+    def _which(self, drafter: Drafter, drafters: list[Drafter]) -> str:
+        """Whose costs a drafter's are: its own if it costs a pass, else the call's first
+        costly drafter's (free drafts share the target's curve with it)."""
+        if not registry.is_free(drafter):
+            return cost_id(drafter)
+        costly = [d for d in drafters if not registry.is_free(d)]
+        return cost_id(costly[0]) if costly else "-:full head"
 
     def save_costs(self) -> None:
         # replacing: a rebuilt kernel's figures stand for the build before (which they
         # started from, as a kin: load_costs), so that one is dropped
-        for which, costs in self._costs.items():
-            save_costs(self.cost_key(which), costs, replacing=self.cost_kernels(which))
+        for (which, band), costs in self._costs.items():
+            key, older = self.cost_key(which, band), self.cost_kernels(which, band)
+            save_costs(key, costs, replacing=older)
 
     @property
     def vocab_size(self) -> int:
@@ -328,7 +351,8 @@ def _policy(
     if gamma != "auto":
         return FixedGamma(gamma, drafters)
     schedulers = session.schedulers(drafters)
-    return AutoGamma(drafters, schedulers, not params.greedy, session.save_costs)
+    costs_at = session.costs_at(drafters)
+    return AutoGamma(drafters, schedulers, not params.greedy, session.save_costs, costs_at)
 
 
 def _decode(
@@ -347,7 +371,7 @@ def _decode(
     _prefill(session, ids, params, drafters, stats, on_prefill)
     keys, last, produced, prompt_s = _Keys(seed, params.coupled), ids[-1], 0, 0.0
     decode_start = time.perf_counter()
-    plan = policy.plan(max_tokens)
+    plan = policy.plan(max_tokens, len(ids))
     asked = min(plan.gamma, max_tokens - 1)  # a fully accepted round emits γ + 1 tokens
     while True:
         round_key, draft_keys = keys.round(produced, asked)
@@ -374,7 +398,7 @@ def _decode(
         left = max_tokens - produced
         more = left > 0 and not any(t in text.eos for t in verdict.emitted)
         if more:
-            plan = policy.plan(left)
+            plan = policy.plan(left, len(ids) + produced)
             asked = min(plan.gamma, left - 1)
         target.next_round(more and asked == 0, last, keys.plain(produced))
         policy.while_running()  # what the policy can learn with the next pass running

@@ -700,3 +700,59 @@ def test_the_cost_probe_back_off_is_kept_with_the_costs(tmp_path, monkeypatch):
     save_costs("pair", costs)
     again = load_costs("pair")
     assert (again.plain_since_cost_probe, again.cost_backoff) == (17, 256)
+
+
+# Costs by the context's length: a pass over k tokens after L cached ones.
+
+
+def test_context_bands_double_from_a_short_context():
+    from specmlx.policy.costs import SHORT_CONTEXT, band_start, context_band
+
+    assert [context_band(n) for n in (0, SHORT_CONTEXT - 1, SHORT_CONTEXT)] == [0, 0, 1]
+    assert context_band(2 * SHORT_CONTEXT - 1) == 1 and context_band(2 * SHORT_CONTEXT) == 2
+    assert context_band(10**9) == context_band(16 * SHORT_CONTEXT)  # the last band takes all
+    assert all(context_band(band_start(b)) == b for b in range(5))
+
+
+def test_a_longer_context_keeps_the_shorter_ones_draft_cost_but_not_its_curve():
+    from specmlx.policy.costs import from_shorter
+
+    short = measured(lambda k: 1 + 0.1 * (k - 1), draft_ratio=0.3)
+    longer = from_shorter(short)
+    assert longer.draft == short.draft and longer.calibration is short.calibration
+    assert longer.target == {} and not longer.settled
+
+
+def test_with_the_draft_known_and_the_curve_not_a_model_first_measures_with_free_guesses():
+    # a longer context's first rounds: the draft's catch-up on a long prompt would cost
+    # more than the measurement learns
+    from specmlx.policy.costs import from_shorter
+
+    costs = from_shorter(measured(THIS_CPU["curve"], THIS_CPU["draft_ratio"]))
+    for _ in range(SETTLE + 1):
+        costs.observe_target(1, T1)
+    s = Scheduler(costs)
+    choice = s.choose()
+    assert choice.gamma > 0 and choice.cost_probe
+
+
+def test_auto_prices_each_round_at_the_context_the_target_holds():
+    # prompt lookup pays where a verify over a few tokens costs about one, and not at a
+    # longer context where each token verified costs another whole pass
+    from specmlx.drafters.lookup import LookupDrafter
+    from specmlx.policy import AutoGamma
+
+    cheap, dear = measured(lambda k: 1 + 0.05 * (k - 1), 0.0), measured(lambda k: k, 0.0)
+    lookup = Scheduler(cheap, 8, free_drafts=True)
+    drafter = LookupDrafter()
+    auto = AutoGamma(
+        [drafter],
+        {"lookup": lookup},
+        False,
+        costs_at=lambda b: {"lookup": cheap if b < 2 else dear},
+    )
+    lookup.acceptance = Acceptance(0.6 * 40, 40.0, seen=True)
+    drafter.start([4, 5, 1, 2, 3, 4, 5])  # "4 5" was followed by "1 2 3 4 5"
+    assert auto.plan(remaining=64, context=500).gamma > 0
+    assert auto.plan(remaining=64, context=3000).gamma == 0
+    assert lookup.costs is dear

@@ -14,6 +14,7 @@ from ..drafters import is_free
 from ..drafters.probe import CostProbe
 from ..drafters.protocol import Drafter, available, behind
 from .choice import Scheduler
+from .costs import Costs, context_band
 from .round import Plan, RoundSummary
 
 
@@ -24,9 +25,13 @@ class AutoGamma:
         schedulers: dict[str, Scheduler],
         sampled: bool,
         keep: Callable[[], None] = lambda: None,
+        costs_at: Callable[[int], dict[str, Costs]] | None = None,
     ):
         self.keep = keep  # saves what was learnt (the Session's costs)
         self.drafters, self.schedulers = drafters, schedulers
+        # each drafter's costs in a band of context length (costs.context_band), where
+        # they are kept apart; None: one curve for every context
+        self.costs_at, self.band = costs_at, None
         self.probe = CostProbe()
         self.helpers: list[Drafter] = [self.probe]
         for scheduler in schedulers.values():
@@ -38,7 +43,13 @@ class AutoGamma:
         self.rounds = 0
         self.unread: RoundSummary | None = None  # a plain round whose confidence is unread
 
-    def plan(self, remaining: int) -> Plan:
+    def plan(self, remaining: int, context: int = 0) -> Plan:
+        """`context`: the tokens the target's cache holds, which its costs depend on."""
+        band = context_band(context)
+        if self.costs_at is not None and band != self.band:
+            for name, costs in self.costs_at(band).items():
+                self.schedulers[name].costs = costs
+        self.band = band
         self.scheduler, choice = None, None
         for i, drafter in enumerate(self.drafters):
             last = i == len(self.drafters) - 1

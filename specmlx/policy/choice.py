@@ -144,7 +144,11 @@ class Scheduler:
             return Choice(0)
         first = min(FIRST_PROBE, self.max_gamma)
         if self.rate(first) is None:
-            return Choice(first)  # measure the draft's cost and T(k)
+            # Measure the draft's cost and T(k); where the draft's is known (a longer
+            # context's first rounds), T(k) alone, with free guesses: the draft's catch-up
+            # on a long prompt would cost more than the measurement learns.
+            known = not self.free_drafts and self.draft_ratio is not None
+            return Choice(first, cost_probe=known)
         rates = {g: self.rate(g) or 0.0 for g in range(self.max_gamma + 1)}
         plain = Choice(0, predicted_tps=self.tps(rates[0]))
         best = max(range(1, self.max_gamma + 1), key=rates.get)

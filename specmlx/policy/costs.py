@@ -40,6 +40,25 @@ COSTS_FORMAT = 4
 # (an AVX2 machine's dear T(9) borrowed on an AVX-512 one kept lookup short for good).
 OWN_FIGURES = 3
 FIRST_BACKOFF = 32  # plain rounds before the first cost-only probe; doubles after each
+# Costs are kept per band of context length (tokens in the cache): a pass over k new
+# tokens after L cached ones costs more as L grows, and by more for larger k where
+# attention's share grows with L, so a curve measured at short context prices drafting
+# too cheaply at long context. Bands double from SHORT_CONTEXT tokens on.
+SHORT_CONTEXT = 1024
+CONTEXT_BANDS = 5  # the last band takes every longer context: 16k tokens and on
+
+
+def context_band(tokens: int) -> int:
+    """0 below SHORT_CONTEXT tokens of context, then one band per doubling."""
+    band, edge = 0, SHORT_CONTEXT
+    while tokens >= edge and band < CONTEXT_BANDS - 1:
+        band, edge = band + 1, edge * 2
+    return band
+
+
+def band_start(band: int) -> int:
+    """The fewest tokens of context in `band`."""
+    return 0 if band == 0 else SHORT_CONTEXT << (band - 1)
 
 
 def _push(samples: list[float], value: float) -> None:
@@ -252,6 +271,15 @@ def borrowed(kin: Costs) -> Costs:
     costs = Costs([], target, last(kin.draft), None, kin.calibration, last(kin.rewind))
     costs.borrowed = dict.fromkeys(target, 0)
     return costs
+
+
+def from_shorter(shorter: Costs) -> Costs:
+    """A longer context's first costs, from a shorter one's: what does not grow with the
+    context (the draft's cost per target pass, how confidence forecasts acceptance, a
+    rewind's cost), never its T(k) ratios, which do: the longer context measures its own
+    curve (choice.Scheduler.choose probes it with free guesses) before anything drafts on
+    it."""
+    return Costs([], {}, list(shorter.draft), None, shorter.calibration, list(shorter.rewind))
 
 
 def save_costs(key: str, costs: Costs, replacing: str = "") -> None:

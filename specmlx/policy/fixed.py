@@ -11,7 +11,7 @@ class FixedGamma:
         self.gamma, self.drafters = gamma, drafters
         self.helpers: list[Drafter] = []
 
-    def plan(self, remaining: int) -> Plan:
+    def plan(self, remaining: int, context: int = 0) -> Plan:
         for drafter in self.drafters if self.gamma else []:
             offer = min(self.gamma, available(drafter, self.gamma))
             if offer:  # prompt lookup proposes only what the context offers

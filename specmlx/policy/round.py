@@ -49,8 +49,9 @@ class RoundSummary:
 class Policy(Protocol):
     drafters: list[Drafter]  # the call's drafters, in the order the policy asks them
 
-    def plan(self, remaining: int) -> Plan:
-        """The next round; `remaining`: the most tokens the call may still emit."""
+    def plan(self, remaining: int, context: int = 0) -> Plan:
+        """The next round; `remaining`: the most tokens the call may still emit; `context`:
+        the tokens the target's cache will hold when it starts."""
 
     def observe(self, round: RoundSummary) -> None:
         """A finished round."""
