@@ -5,7 +5,8 @@ context, by more as k grows where attention's share grows with L; a policy price
 short context drafts where it cannot win. This builds long prompts from Python source
 files that ship with mlx-lm (so every machine builds the same ones), at each --lengths
 in tokens, with a task after the code: `summarize` (a reply in its own words: drafts
-seldom pass) and `edit` (a reply that copies much of the code: prompt lookup pays). Each
+seldom pass), `edit` (a reply that copies much of the code: prompt lookup pays) and
+`question` (a question answered from the code, as retrieval-augmented prompts ask). Each
 prompt and temperature runs the target alone and auto with the draft, interleaved (the
 order reversed every other repeat), a fresh Session each call as `specmlx bench` does.
 Prints, per case, each mode's decode tok/s (median over repeats), auto's ratio to the
@@ -30,6 +31,8 @@ TASKS = {
     "summarize": "Summarize what the code above does, module by module.",
     "edit": "Rewrite the first class in the code above with a docstring on every method. "
     "Give the whole class.",
+    "question": "In the code above, how is the attention mask made for a pass over several "
+    "tokens, and which cache classes take part? Answer from the code.",
 }
 SOURCES = ("models/llama.py", "models/qwen2.py", "models/gemma3_text.py", "models/cache.py")
 
