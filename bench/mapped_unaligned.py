@@ -21,11 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from bench.timing import median
 
 CHILD = r"""
 import gc, json, sys, time
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"SPECMLX_PACK={pack}:")
         for name, results in rows.items():
             r = results[-1]
-            load = statistics.median(x["load_s"] for x in results)
+            load = median(x["load_s"] for x in results)
             reading = r["reading"]
             print(
                 f"  {name:<13} private growth {growth(r, weights)} · load {load:.2f} s "

@@ -126,8 +126,14 @@ def sample(probs: mx.array, key: mx.array) -> mx.array:
     otherwise only adds: a sampled row stops being a visible share of a draft pass or a
     verify (bench/results/ARCHIVE.md, `auto-vs-fixed-int4-humaneval-10`).
     """
-    u = 1.0 - mx.random.uniform(shape=(2, *probs.shape[:-1]), key=key)  # in (0, 1]
+    u = uniforms(key, probs.shape[:-1])
     return inverse_cdf(probs, u[0], u[1])
+
+
+def uniforms(key: mx.array, rows: tuple[int, ...]) -> mx.array:
+    """(2, *rows) uniforms in (0, 1] from `key`: sample()'s two stages for each row. Coupled
+    verification draws a row's with its position's key exactly as a plain step does."""
+    return 1.0 - mx.random.uniform(shape=(2, *rows), key=key)
 
 
 def inverse_cdf(probs: mx.array, u_block: mx.array, u_token: mx.array) -> mx.array:

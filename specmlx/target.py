@@ -32,6 +32,7 @@ from mlx_lm.models.cache import RotatingKVCache
 
 from . import tree
 from .caches import (
+    check_rollback,
     checkpoint,
     keep_rows,
     layers,
@@ -42,7 +43,6 @@ from .caches import (
     state_of,
     sync_cache,
     trims_exactly,
-    unrollable,
     verifies_trees,
 )
 from .errors import SpecmlxError
@@ -57,6 +57,7 @@ class Target:
     def __init__(self, model: Model):
         self.model = model
         self.hidden = False  # keep the last hidden states of each pass (set_hidden)
+        self._rope_owners: list[nn.Module] | None = None  # where a tree's positions go
         self.reset()
 
     def reset(self) -> None:
@@ -82,14 +83,7 @@ class Target:
     def check_rollback(self) -> None:
         """Refuse, before anything is decoded, a cache a rejected draft could not be rolled
         back from exactly (it would emit text that is not the target's)."""
-        kind = unrollable(self.cache)
-        if kind is not None:
-            arch = self.model.config.get("model_type", "this architecture")
-            raise SpecmlxError(
-                f"speculative decoding on {arch} ({self.model.name}) is not exact: its {kind} "
-                "layers cannot be rolled back after a rejected draft; run the target "
-                "alone (--no-draft, or num_draft=0)"
-            )
+        check_rollback(self.model)
 
     @property
     def verifies_trees(self) -> bool:
@@ -203,13 +197,13 @@ class Target:
         verified = time.perf_counter()
         drafts = proposal.tokens.tolist()
         kept = [last, *(drafts[j] for j in path)]
+        rows = [0, *(j + 1 for j in path)]  # the pass rows of the root and the kept drafts
         if proposal.is_chain:
             rerun = rewind(self.model, self.cache, saved, kept, len(drafts) - len(path))
         else:
             rerun = 0
-            keep_rows(self.cache, [0, *(j + 1 for j in path)], len(x))
+            keep_rows(self.cache, rows, len(x))
         self.cached += kept
-        rows = [0, *(j + 1 for j in path)]
         return Verdict(
             len(path),
             token.item(),
@@ -245,7 +239,9 @@ class Target:
         depths = [0, *tree.depths(parents)]
         ancestry = mx.array(tree.ancestry(parents))
         every = layers(self.cache)
-        owners = rope_owners(self.model.module)
+        if self._rope_owners is None:  # the modules do not change: walk them once
+            self._rope_owners = rope_owners(self.model.module)
+        owners = self._rope_owners
         dtype = getattr(mx, self.model.dtype)
         for c in every:
             c.make_mask = _tree_mask(c, depths, ancestry, dtype)

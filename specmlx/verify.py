@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from .cpu import argmax
-from .sampling import SamplingParams, inverse_cdf, probabilities, sample
+from .sampling import SamplingParams, inverse_cdf, probabilities, sample, uniforms
 
 
 def accept_reject(
@@ -185,8 +185,7 @@ def own_draws(p: mx.array, keys: mx.array) -> mx.array:
     """(rows,) the token sample() draws from each row of p with that row's key: what a
     plain step at that position draws (each row's uniforms drawn as sample() draws a
     one-row distribution's, then one inverse CDF over all the rows)."""
-    u = [1.0 - mx.random.uniform(shape=(2, 1), key=keys[i]) for i in range(p.shape[0])]
-    u = mx.concatenate(u, axis=1)  # (2, rows), in (0, 1]
+    u = mx.concatenate([uniforms(keys[i], (1,)) for i in range(p.shape[0])], axis=1)
     return inverse_cdf(p, u[0], u[1])
 
 

@@ -72,9 +72,10 @@ def check_mode(mode: str | None) -> str | None:
 
 
 def default_mode(has_draft_model: bool) -> str:
-    """With a draft model, every drafter (a matched n-gram's drafts cost no draft pass:
-    bench/results/ARCHIVE.md, `draft-modes-zen5-round13.json`); without one, the model
-    drafter, which has nothing to run: plain decoding, so --no-draft is the target alone."""
+    """With a draft model, every drafter (a matched n-gram's drafts cost no draft pass, and
+    both together beat the model alone: bench/results/draft-modes-*.json); without one,
+    the model drafter, which has nothing to run: plain decoding, so --no-draft is the
+    target alone."""
     return AUTO if has_draft_model else "model"
 
 
