@@ -295,19 +295,26 @@ def prefill(
     tokens: list[int],
     step: int = PREFILL_STEP,
     progress: Callable[[int, int], None] | None = None,
-) -> None:
+    forward: Callable[[mx.array, list], mx.array] | None = None,
+) -> list[mx.array]:
     """Run `tokens` through `model` into `cache`, in chunks so memory stays bounded.
 
     `progress` is called with (tokens done, tokens in all): before the first chunk and
-    after each one."""
+    after each one. `forward(x (1, L), cache)`: the pass to run instead of the model's
+    own, whose outputs (one per chunk) are returned (the target's features for a drafter
+    that reads them); by default nothing is returned (the logits are never computed)."""
     if progress is not None and tokens:
         progress(0, len(tokens))
+    kept = []
     for start in range(0, len(tokens), step):
         chunk = mx.array(tokens[start : start + step], mx.uint32)[None]
-        model.module(chunk, cache=cache)
-        mx.eval([c.state for c in cache])
+        out = (forward or model.module)(chunk, cache=cache)
+        if forward is not None:
+            kept.append(out)
+        mx.eval([c.state for c in cache], kept[-1:])
         if progress is not None:
             progress(min(start + step, len(tokens)), len(tokens))
+    return kept
 
 
 def timed_pass(
@@ -411,14 +418,15 @@ def sync_cache(
     tokens: list[int],
     progress: Callable[[int, int], None] | None = None,
     saved: Snapshot | None = None,
-) -> int:
+    forward: Callable[[mx.array, list], mx.array] | None = None,
+) -> tuple[int, list[mx.array]]:
     """Make `cache` hold exactly `tokens`, reusing the longest prefix it already holds
     (or `saved`: see align_cache).
 
     Returns how many tokens had to be processed (the prefill of this call, which
-    `progress` follows: see `prefill`).
+    `progress` follows) and what `forward` returned over them (see `prefill`).
     """
     keep = align_cache(model, cache, cached, tokens, saved)
-    prefill(model, cache, tokens[keep:], progress=progress)
+    out = prefill(model, cache, tokens[keep:], progress=progress, forward=forward)
     cached.extend(tokens[keep:])
-    return len(tokens) - keep
+    return len(tokens) - keep, out

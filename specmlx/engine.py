@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
@@ -27,6 +28,9 @@ from .policy.costs import Costs, band_start, from_shorter
 from .sampling import SamplingParams, position_keys
 from .settings import MAX_GAMMA, check_seed, check_settings
 from .target import Target, kernels
+
+if TYPE_CHECKING:
+    from .heads.head import Head
 
 
 @dataclass(frozen=True)
@@ -153,10 +157,18 @@ class Session:
     An interrupted call leaves the caches consistent for the next one.
     """
 
-    def __init__(self, target: Model, draft: Model | None = None, max_gamma: int = MAX_GAMMA):
+    def __init__(
+        self,
+        target: Model,
+        draft: Model | None = None,
+        max_gamma: int = MAX_GAMMA,
+        head: Head | None = None,
+    ):
         if draft is not None:
             check_pair(target, draft)
-        self.model, self.draft, self.max_gamma = target, draft, max_gamma
+        if head is not None and head.target is not target:
+            raise SpecmlxError("this head was loaded for another target; load it with this one")
+        self.model, self.draft, self.head, self.max_gamma = target, draft, head, max_gamma
         self.target = Target(target)
         self._schedulers: dict[tuple[str, str], Scheduler] = {}
         self._costs: dict[tuple[str, int], Costs] = {}
@@ -168,7 +180,8 @@ class Session:
         self.made: dict[str, Drafter | None] = {}  # registered drafters, made when first run
 
     def drafters(self, mode: str) -> list[Drafter]:
-        return registry.select(mode, self.draft, self.vocab_size, self.made)
+        sources = registry.Sources(self.draft, self.head, self.vocab_size)
+        return registry.select(mode, sources, self.made)
 
     def drafter_caches(self) -> list[list]:
         """The caches its drafters keep (a draft model's), for what a Session holds."""
@@ -317,12 +330,14 @@ def generate(
     elif session.model is not target or (draft is not None and session.draft is not draft):
         raise SpecmlxError("this session was made for other models; make a new Session")
     mode = getattr(drafter, "name", None) or draft_mode
-    mode = mode or registry.default_mode(session.draft is not None)
+    has_draft = session.draft is not None or session.head is not None
+    mode = mode or registry.default_mode(has_draft)
     ids = encode_prompt(target, prompt)
     chosen = [drafter] if drafter is not None else session.drafters(mode) if num_draft else []
     if chosen:
         session.target.check_rollback()
-    session.target.set_hidden(any(registry.reads_hidden(d) for d in chosen))
+    readers = [d for d in chosen if registry.reads_hidden(d)]
+    session.target.set_hidden(bool(readers), registry.taps(readers[0]) if readers else None)
     policy = _policy(session, params, num_draft if chosen else 0, chosen)
 
     def steps(gen: Generation) -> Iterator[Step]:
@@ -431,7 +446,10 @@ def _prefill(
     stats.prompt_tokens = len(ids)
     stats.prefill_tokens = session.target.start(ids[:-1], params, session.vocab_size, on_prefill)
     for drafter in drafters:
-        drafter.start(ids)
+        if registry.reads_hidden(drafter):
+            drafter.start(ids, session.target.features)
+        else:
+            drafter.start(ids)
     stats.prefill_time = time.perf_counter() - start
 
 

@@ -46,7 +46,7 @@ from .caches import (
     verifies_trees,
 )
 from .errors import SpecmlxError
-from .lm_head import body_and_head, cuttable
+from .lm_head import body, body_and_head, cuttable
 from .loading import Model, backend
 from .proposal import Proposal, Verdict, point_mass
 from .sampling import SamplingParams
@@ -56,7 +56,8 @@ from .verify import make_sampler, make_tree_verifier, make_verifier, top_probabi
 class Target:
     def __init__(self, model: Model):
         self.model = model
-        self.hidden = False  # keep the last hidden states of each pass (set_hidden)
+        self.hidden = False  # keep the features of each pass (set_hidden)
+        self.taps: tuple[int, ...] | None = None  # which layers' outputs are the features
         self._rope_owners: list[nn.Module] | None = None  # where a tree's positions go
         self.reset()
 
@@ -68,17 +69,28 @@ class Target:
         self._queued = None  # a running plain pass: (logits, probs, token, hidden)
         self._ahead = None  # a plain pass built but not running, and the state before it
         self._before = None
+        self.features = Features()  # one row per cached position, while `hidden` is on
 
-    def set_hidden(self, on: bool) -> None:
-        """Expose the last hidden states in each Verdict (for a drafter that reads them):
-        the pass is split into body and head, which only some architectures allow."""
+    def set_hidden(self, on: bool, taps: tuple[int, ...] | None = None) -> None:
+        """Keep the features of every cached position and show each round's in its
+        Verdict (for a drafter that reads them): the last hidden states, or with `taps`
+        those decoder layers' outputs side by side (lm_head.body). The pass is split into
+        body and head, which only some architectures allow."""
         if on and not cuttable(self.model):
             arch = self.model.config.get("model_type", "this architecture")
             raise SpecmlxError(
                 f"this drafter reads the target's hidden states, which specmlx cannot take "
                 f"from {arch} ({self.model.name}); choose another drafter"
             )
-        self.hidden = on
+        layers = len(self.model.module.model.layers) if on else 0
+        if taps and not all(0 <= i < layers for i in taps):
+            raise SpecmlxError(
+                f"this drafter reads the outputs of target layers {list(taps)}, but "
+                f"{self.model.name} has {layers} layers; use a drafter made for this target"
+            )
+        if (on, taps) != (self.hidden, self.taps):
+            self.features = Features()  # features of other layers, or none, are kept
+        self.hidden, self.taps = on, taps or None
 
     def check_rollback(self) -> None:
         """Refuse, before anything is decoded, a cache a rejected draft could not be rolled
@@ -108,9 +120,16 @@ class Target:
         """A new call: the cache made to hold `prompt` (reusing the longest prefix it holds)
         and the call's samplers; returns how many prompt tokens were processed."""
         self._queued = self._ahead = self._before = None
-        done = sync_cache(
-            self.model, self.cache, self.cached, prompt, progress, self.prompt_snapshot
+        if self.hidden:
+            self._align_features()
+        forward = self._feature_pass if self.hidden else None
+        done, features = sync_cache(
+            self.model, self.cache, self.cached, prompt, progress, self.prompt_snapshot, forward
         )
+        if self.hidden:
+            self.features.cut(len(self.cached) - done)
+            for rows in features:
+                self.features.add(rows[0])
         self.prompt_snapshot = snapshot(self.cache, self.cached)
         self._trims = trims_exactly(self.cache)
         self.params, self.vocab_size = params, vocab_size
@@ -118,6 +137,25 @@ class Target:
         self.draw = make_sampler(params, vocab_size)
         self._scratch = np.empty(vocab_size, np.float32)
         return done
+
+    def _align_features(self) -> None:
+        """Features must cover every cached position a drafter may read: where they do
+        not (the drafter came in mid-session), the positions without them are run again."""
+        self.features.cut(len(self.cached))
+        snapshot = self.prompt_snapshot
+        if snapshot is not None and len(snapshot.tokens) > self.features.rows:
+            self.prompt_snapshot = None  # taken before the features were kept
+        if self.features.rows == len(self.cached):
+            return
+        if trims_exactly(self.cache):
+            del self.cached[self.features.rows :]  # the next sync trims the cache to it
+        else:
+            self.cache, self.prompt_snapshot = make_cache(self.model.module), None
+            self.cached.clear()
+            self.features = Features()
+
+    def _feature_pass(self, x: mx.array, cache: list) -> mx.array:
+        return body(self.model, x, cache, self.taps)[1]
 
     def interrupted(self) -> None:
         """A call stopped mid-pass: a cache that cannot be trimmed back may hold part of a
@@ -140,6 +178,8 @@ class Target:
             self._ahead = self._plain_pass(token, next_key, run=False)
         mx.eval(token)  # the sync: only this pass, not the one built after it
         self.cached.append(last)
+        if hidden is not None:
+            self.features.add(hidden)
         return Verdict(
             0,
             token.item(),
@@ -204,12 +244,15 @@ class Target:
             rerun = 0
             keep_rows(self.cache, rows, len(x))
         self.cached += kept
+        if hidden is not None:
+            hidden = hidden[mx.array(rows)]
+            self.features.add(hidden)
         return Verdict(
             len(path),
             token.item(),
             path=path,
             drafts=kept[1:],
-            hidden=None if hidden is None else hidden[mx.array(rows)],
+            hidden=hidden,
             verify_s=verified - start,
             rewind_s=time.perf_counter() - verified if rerun else 0.0,
             rerun=rerun,
@@ -258,7 +301,7 @@ class Target:
     def _forward(self, x: mx.array) -> tuple[mx.array, mx.array | None]:
         """(logits (L, V), last hidden states (L, D) or None) of a pass over tokens x."""
         if self.hidden:
-            logits, hidden = body_and_head(self.model, x[None], self.cache)
+            logits, hidden = body_and_head(self.model, x[None], self.cache, self.taps)
             return logits[0], hidden[0]
         return self.model.module(x[None], cache=self.cache)[0], None
 
@@ -269,6 +312,33 @@ class Target:
             index = mx.array(rows[:k])
             logits, probs = logits[index], None if probs is None else probs[index]
         return top_probabilities(logits, probs, k, self.vocab_size, self._scratch)
+
+
+class Features:
+    """The target's features (Target.set_hidden) at each cached position, in the pieces
+    the passes made them in: appending a round's rows copies nothing."""
+
+    def __init__(self):
+        self.parts: list[mx.array] = []
+        self.rows = 0
+
+    def add(self, rows: mx.array) -> None:
+        self.parts.append(rows)
+        self.rows += rows.shape[0]
+
+    def cut(self, n: int) -> None:
+        """Keep the first n rows."""
+        while self.rows > n:
+            last = self.parts.pop()
+            self.rows -= last.shape[0]
+            if self.rows < n:
+                self.add(last[: n - self.rows])
+
+    def read(self, start: int, stop: int) -> mx.array:
+        """Rows [start, stop) as one array (the pieces joined into one, once)."""
+        if len(self.parts) > 1:
+            self.parts = [mx.concatenate(self.parts)]
+        return self.parts[0][start:stop] if self.parts else mx.zeros((0, 0))
 
 
 def rope_owners(module: nn.Module) -> list[nn.Module]:

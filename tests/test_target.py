@@ -110,6 +110,10 @@ def test_a_drafter_that_reads_hidden_states_gets_one_row_per_kept_position(tiny_
     class Reader(Oracle):
         reads_hidden = True
 
+        def start(self, context, features):
+            seen.append((len(context) - 1, features.rows))
+            super().start(context)
+
         def commit(self, proposal, verdict):
             seen.append((verdict.accepted, verdict.hidden.shape))
             return super().commit(proposal, verdict)
@@ -117,7 +121,8 @@ def test_a_drafter_that_reads_hidden_states_gets_one_row_per_kept_position(tiny_
     gen = specmlx.generate(model, ids, max_tokens=N, num_draft=3, drafter=Reader(plain, False))
     assert gen.run().tokens == plain
     width = model.config["hidden_size"]
-    assert seen and all(shape == (n + 1, width) for n, shape in seen)
+    assert seen[0] == (len(ids) - 1, len(ids) - 1)  # the prompt's features but the last's
+    assert seen[1:] and all(shape == (n + 1, width) for n, shape in seen[1:])
 
 
 def test_hidden_states_from_an_architecture_that_cannot_give_them_are_refused(tiny_pair):
@@ -171,7 +176,7 @@ def test_a_registered_drafter_runs_by_name(tiny_pair):
     target = specmlx.load(tiny_pair("qwen2")[0])
     ids = target.tokenizer.encode(PROMPT)
     plain = greedy(target, ids)
-    kind = drafters.DrafterKind("oracle", lambda draft, width: Oracle(plain), "test", free=True)
+    kind = drafters.DrafterKind("oracle", lambda sources: Oracle(plain), "test", free=True)
     drafters.register(kind)
     try:
         assert "oracle" in drafters.modes()

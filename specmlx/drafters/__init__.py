@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import SpecmlxError
 
 if TYPE_CHECKING:
+    from ..heads.head import Head
     from ..loading import Model
     from .protocol import Drafter
 
@@ -29,13 +30,22 @@ AUTO = "auto"  # every registered drafter that can run here, free ones tried fir
 
 
 @dataclass(frozen=True)
+class Sources:
+    """What a drafter may be made from."""
+
+    draft: Model | None  # a draft model
+    head: Head | None  # a head that drafts from the target's features
+    width: int  # the vocabulary verify compares over
+
+
+@dataclass(frozen=True)
 class DrafterKind:
     name: str
-    # (the draft model or None, the vocabulary width verify compares over) -> a drafter,
-    # or None where it cannot run (it needs a draft model and none is loaded)
-    make: Callable[[Model | None, int], Drafter | None]
+    # Sources -> a drafter, or None where it cannot run (what it needs is not loaded)
+    make: Callable[[Sources], Drafter | None]
     summary: str
     needs_model: bool = False  # runs a draft model, which must be loaded
+    needs_head: bool = False  # runs a head (heads/), which must be loaded
     reads_hidden: bool = False  # drafts from the target's last hidden states
     free: bool = False  # its drafts cost no model pass: the policy prices them at 0
     rollback: str = "nothing to roll back"  # how it undoes a rejected draft
@@ -71,12 +81,12 @@ def check_mode(mode: str | None) -> str | None:
     return mode
 
 
-def default_mode(has_draft_model: bool) -> str:
-    """With a draft model, every drafter (a matched n-gram's drafts cost no draft pass, and
-    both together beat the model alone: bench/results/draft-modes-*.json); without one,
-    the model drafter, which has nothing to run: plain decoding, so --no-draft is the
-    target alone."""
-    return AUTO if has_draft_model else "model"
+def default_mode(has_draft: bool) -> str:
+    """With a draft model or a head, every drafter (a matched n-gram's drafts cost no
+    draft pass, and both together beat the model alone: bench/results/draft-modes-*.json);
+    without either, the model drafter, which has nothing to run: plain decoding, so
+    --no-draft is the target alone."""
+    return AUTO if has_draft else "model"
 
 
 def uses_model(mode: str | None) -> bool:
@@ -85,14 +95,14 @@ def uses_model(mode: str | None) -> bool:
     return any(k.needs_model for k in chosen)
 
 
-def select(mode: str, draft: Model | None, width: int, made: dict[str, Drafter]) -> list:
+def select(mode: str, sources: Sources, made: dict[str, Drafter]) -> list:
     """The drafters `mode` runs here, free ones first; `made` keeps each across calls (a
     draft model's cache persists in a Session)."""
     chosen = kinds() if mode == AUTO else [_KINDS[mode]]
     out = []
     for k in sorted(chosen, key=lambda k: not k.free):
         if k.name not in made:
-            made[k.name] = k.make(draft, width)
+            made[k.name] = k.make(sources)
         if made[k.name] is not None:
             out.append(made[k.name])
     return out
@@ -106,9 +116,15 @@ def reads_hidden(drafter: Any) -> bool:
     return bool(getattr(drafter, "reads_hidden", False))
 
 
+def taps(drafter: Any) -> tuple[int, ...] | None:
+    """The target layers whose outputs a drafter that reads hidden states takes (None:
+    the last hidden states; Target.set_hidden)."""
+    return getattr(drafter, "taps", None)
+
+
 def _lazy(module: str, factory: str) -> Callable:
-    def make(draft, width):
-        return getattr(importlib.import_module(f"{__name__}.{module}"), factory)(draft, width)
+    def make(sources: Sources):
+        return getattr(importlib.import_module(module, __name__), factory)(sources)
 
     return make
 
@@ -116,7 +132,7 @@ def _lazy(module: str, factory: str) -> Callable:
 register(
     DrafterKind(
         "lookup",
-        _lazy("lookup", "make"),
+        _lazy(".lookup", "make"),
         "prompt lookup: what followed the last n-gram's previous occurrence in the text",
         free=True,
         idle="no n-gram of the context matched",
@@ -125,7 +141,7 @@ register(
 register(
     DrafterKind(
         "model",
-        _lazy("model", "make"),
+        _lazy(".model", "make"),
         "a smaller model with the target's tokenizer, its head cut to frequent tokens",
         needs_model=True,
         rollback="its own cache, trimmed or rewound like the target's",
@@ -133,13 +149,30 @@ register(
     )
 )
 
+register(
+    DrafterKind(
+        "head",
+        _lazy("..heads.drafter", "make"),
+        "a feature head: one decoder layer over the target's own hidden states (EAGLE, MTP)",
+        needs_head=True,
+        reads_hidden=True,
+        rollback="its own small cache, trimmed",
+        idle="auto kept plain decoding",
+    )
+)
 
-def check_exact(target: Model, draft: Model | None, mode: str | None, gamma: int | str) -> None:
+
+def check_exact(
+    target: Model, draft: Model | None, mode: str | None, gamma: int | str, head: bool = False
+) -> None:
     """Refuse at start-up, in one line, a setting that would speculate on a model whose
-    cache a rejected draft cannot be rolled back from (caches.check_rollback)."""
-    mode = mode or default_mode(draft is not None)
+    cache a rejected draft cannot be rolled back from (caches.check_rollback). `head`:
+    a head is loaded."""
+    mode = mode or default_mode(draft is not None or head)
     chosen = kinds() if mode == AUTO else [_KINDS[mode]]
-    running = [k for k in chosen if draft is not None or not k.needs_model]
+    running = [
+        k for k in chosen if (draft is not None or not k.needs_model) and (head or not k.needs_head)
+    ]
     if gamma == 0 or not running:
         return
     from ..caches import check_rollback

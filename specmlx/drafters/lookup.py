@@ -70,6 +70,6 @@ class LookupDrafter:
         return 0
 
 
-def make(draft: object, width: int) -> LookupDrafter:
+def make(sources: object) -> LookupDrafter:
     """The registered factory: prompt lookup needs neither a model nor the width."""
     return LookupDrafter()

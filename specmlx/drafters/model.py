@@ -23,6 +23,7 @@ from ..caches import (
 from ..cpu import softmax
 from ..loading import Model
 from ..verify import top_probability
+from . import Sources
 from .protocol import Draw, GoOn, Proposal, Verdict
 from .subvocab import SubHead, draft_size, shared_sub_head
 
@@ -188,10 +189,10 @@ def model_drafter(model: Model, width: int) -> ModelDrafter:
     return ModelDrafter(model, width, shared_sub_head(model, size, width))
 
 
-def make(draft: Model | None, width: int) -> ModelDrafter | None:
+def make(sources: Sources) -> ModelDrafter | None:
     """The registered factory: the draft model's drafter, None without a draft model.
     Its cache must roll back exactly like the target's (caches.check_rollback)."""
-    if draft is None:
+    if sources.draft is None:
         return None
-    check_rollback(draft)
-    return model_drafter(draft, width)
+    check_rollback(sources.draft)
+    return model_drafter(sources.draft, sources.width)

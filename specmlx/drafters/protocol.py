@@ -25,7 +25,9 @@ class Drafter(Protocol):
     name: str  # how Stats counts the rounds it drafted, and which γ policy prices it
 
     def start(self, context: list[int]) -> None:
-        """A new call: the text so far (the prompt) is `context`."""
+        """A new call: the text so far (the prompt) is `context`. A drafter with
+        `reads_hidden` is called start(context, features): the target's features
+        (target.Features) at every position of context but the last."""
 
     def propose(self, g: int, keys: mx.array, draw: Draw, go_on: GoOn | None = None) -> Proposal:
         """At most g drafts that may follow the text so far (fewer where go_on says stop);

@@ -1,0 +1,174 @@
+"""The head drafter: drafts from the target's features with a feature head (head.py).
+
+Its cache holds one row per position of the text: row i was fed the target's feature at
+position i and the embedding of token i + 1, and its output drafts token i + 2. The
+target's features come with the prompt (Target.features) and with every Verdict (the
+rows of the positions it kept), so the head prefills nothing of its own: it takes the
+rows it lacks with its next draft pass. Its own drafts' rows (fed its own features) are
+trimmed once the target has judged them: the target's features replace them.
+"""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache
+
+from ..caches import PREFILL_STEP, common_prefix_len
+from ..cpu import softmax
+from ..drafters import Sources
+from ..drafters.protocol import Draw, GoOn, Proposal, Verdict
+from ..drafters.subvocab import SubHead
+from ..target import Features
+from ..verify import top_probability
+from .feature import text_args
+from .head import Head
+
+
+class HeadDrafter:
+    name = "head"
+    reads_hidden = True
+
+    def __init__(self, head: Head, width: int):
+        self.head = head
+        self.width = width  # the vocabulary verify compares over
+        self.sub = None if head.ids is None else SubHead(head.ids, width, head.rows, head.tied)
+        self.taps = head.taps
+        self.dim = text_args(head.target)[1].hidden_size
+        self.scratch = np.empty(width, np.float32)
+        self.cache = [KVCache()]
+        self.text: list[int] = []  # t_0 .. t_R: row r of the cache took t_{r+1}
+        self.waiting: list[mx.array] = []  # features of rows not fed yet, in order
+        self.tokens: list[int] = []  # their next tokens
+        self.drafted = 0  # rows its last proposal fed of its own drafts
+        self.proposals = 0
+
+    @property
+    def cost_id(self) -> str:
+        target, head = self.head.target, self.head
+        vocab = f"vocab {head.ids.size}" if head.ids is not None else "full vocab"
+        return f"{head.kind}:{head.path}:{target.dtype}:{target.weights or 'as stored'}:{vocab}"
+
+    @property
+    def behind(self) -> int:
+        """Rows it must take before it drafts from the last (a call's prompt)."""
+        return max(0, len(self.tokens) - 1)
+
+    def available(self, g: int) -> int:
+        """It drafts only once it has the target's feature of the last position."""
+        return g if self.tokens else 0
+
+    def start(self, context: list[int], features: Features | None = None) -> None:
+        """A new call over `context`; `features`: the target's, one row per position of
+        context but the last (Target.features)."""
+        n = len(context)
+        rows = max(0, min(common_prefix_len(self.text, context) - 1, n - 2))
+        self._trim(self._rows() - rows)
+        self.text = context[: rows + 1]
+        self.waiting, self.tokens = [], []
+        if features is not None and n > 1 and features.rows >= n - 1:
+            self.waiting = [features.read(rows, n - 1)]
+            self.tokens = context[rows + 1 :]
+
+    def interrupted(self) -> None:
+        """Its cache trims exactly: the next start aligns it."""
+
+    def propose(self, g: int, keys: mx.array, draw: Draw, go_on: GoOn | None = None) -> Proposal:
+        start = time.perf_counter()
+        self.proposals += 1
+        if len(self.tokens) > PREFILL_STEP:  # the prompt's rows: in bounded chunks first
+            self._feed(len(self.tokens) - 1)
+            mx.eval(self.cache[0].state)
+        prompt_s = time.perf_counter() - start
+        features = mx.concatenate(self.waiting) if len(self.waiting) > 1 else self.waiting[0]
+        x = mx.array(self.tokens, mx.uint32)
+        self.text += self.tokens
+        self.waiting, self.tokens = [], []
+        tokens, qs, tops = [], [], []
+        for i, k in enumerate(keys[:g]):
+            features, logits, probs, token = self.step(x, features, k, draw)
+            self.drafted = i  # rows of its own drafts fed so far (this pass's input)
+            mx.async_eval(token)
+            tokens.append(token)
+            qs.append(self.sub.widen(probs) if self._narrow(probs) else probs)
+            if go_on is not None:
+                tops.append(
+                    top_probability(logits, self._shown(logits, probs), self.width, self.scratch)
+                )
+                if not go_on(tops):
+                    break
+            x = token
+        q = None if qs[0] is None else mx.concatenate(qs)
+        return Proposal(
+            mx.concatenate(tokens), q, None, 0, self.proposals == 1, prompt_s, tops=tops
+        )
+
+    def step(self, x: mx.array, features: mx.array, key: mx.array, draw: Draw) -> tuple:
+        """One head pass over tokens x (L,) and their rows' features (L, F), lazily:
+        (the last row's output feature (1, D), logits, the distribution drawn from or
+        None when greedy, the token drawn (1,))."""
+        head = self.head
+        fed_back, out = head.module(head.embed(x[None]), features[None], self.cache[0])
+        logits = head.logits(out[:, -1, :])
+        if self.sub is None:
+            return (fed_back[0, -1:], logits, *draw(logits, key))
+        if getattr(draw, "full_width", False):
+            return (fed_back[0, -1:], logits, *draw(self.sub.widen_logits(logits), key))
+        probs, index = draw(logits, key)
+        return fed_back[0, -1:], logits, probs, self.sub.token(index)
+
+    def commit(self, proposal: Proposal | None, verdict: Verdict) -> int:
+        if proposal is not None:
+            self._trim(self.drafted)  # its own drafts' rows: the target's features replace them
+            self.drafted = 0
+        if verdict.hidden is not None:
+            self.waiting.append(verdict.hidden)
+            self.tokens += verdict.emitted
+        return 0
+
+    def time_pass(self) -> float:
+        """Seconds of one head pass over one row, its cache left as it was."""
+        features = self.waiting[-1][-1:] if self.waiting else mx.zeros((1, self.dim))
+        x = mx.array(self.tokens[-1:] or [0], mx.uint32)
+        draw = lambda logits, key: (None, mx.argmax(logits, axis=-1))  # noqa: E731
+        start = time.perf_counter()
+        mx.eval(self.step(x, features, mx.random.key(0), draw)[-1])
+        seconds = time.perf_counter() - start
+        self._trim(1)
+        return seconds
+
+    def _feed(self, n: int) -> None:
+        """Feed the first n waiting rows through the head, in bounded chunks."""
+        features = mx.concatenate(self.waiting) if len(self.waiting) > 1 else self.waiting[0]
+        tokens = self.tokens[:n]
+        for at in range(0, n, PREFILL_STEP):
+            x = mx.array(tokens[at : at + PREFILL_STEP], mx.uint32)
+            rows = features[at : at + PREFILL_STEP]
+            self.head.module(self.head.embed(x[None]), rows[None], self.cache[0])
+            mx.eval(self.cache[0].state)
+        self.text += tokens
+        self.waiting, self.tokens = [features[n:]], self.tokens[n:]
+
+    def _rows(self) -> int:
+        return self.cache[0].offset
+
+    def _trim(self, n: int) -> None:
+        if n > 0:
+            self.cache[0].trim(n)
+
+    def _narrow(self, probs: mx.array | None) -> bool:
+        return probs is not None and self.sub is not None and probs.shape[-1] != self.width
+
+    def _shown(self, logits: mx.array, probs: mx.array | None) -> mx.array | None:
+        """What its confidence is read from: over a sub-vocabulary, the logits are not
+        the full row top_probability expects at temperature 0."""
+        if self.sub is None or probs is not None:
+            return probs
+        return softmax(logits.astype(mx.float32))
+
+
+def make(sources: Sources) -> HeadDrafter | None:
+    """The registered factory: the loaded head's drafter, None without a head."""
+    return None if sources.head is None else HeadDrafter(sources.head, sources.width)

@@ -1,0 +1,59 @@
+"""A loaded head: the module that drafts from the target's features, and the output rows
+it reads its logits from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..drafters.subvocab import draft_size, sub_head, sub_vocab
+from ..lm_head import head_layer
+from ..loading import Model
+
+
+@dataclass
+class Head:
+    """`module(embedded (1, L, D), features (1, L, F), cache) -> (features it drafts
+    further from (1, L, D), what its output rows read (1, L, D))`; F is the target's
+    feature width (Target.set_hidden with `taps`), D its hidden size.
+
+    `rows` holds the output head's rows for token ids `ids` (ascending): the target's own
+    head cut to a sub-vocabulary (shared with it, not copied: MLX slices views of
+    quantized rows lazily into a new array once), or the head's own draft vocabulary
+    (EAGLE-3's lm_head and d2t)."""
+
+    module: nn.Module
+    rows: nn.Module
+    tied: bool  # rows are an embedding, read as a linear layer
+    ids: mx.array | None  # (N,) uint32; None: the target's whole vocabulary, in order
+    target: Model
+    kind: str  # what it was read from: "specmlx head", "EAGLE-3", "MTP"
+    path: Path | None = None
+    taps: tuple[int, ...] | None = None  # target layers whose outputs are its features
+
+    def logits(self, out: mx.array) -> mx.array:
+        return self.rows.as_linear(out) if self.tied else self.rows(out)
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        """The target's own embedding of tokens (shared, never copied)."""
+        module = self.target.module
+        inner = module.language_model if "language_model" in module else module
+        return inner.model.embed_tokens(tokens)
+
+    @property
+    def name(self) -> str:
+        return self.path.name if self.path is not None else self.kind
+
+
+def target_rows(target: Model) -> tuple[nn.Module, bool, mx.array | None]:
+    """(rows, tied, ids) of the target's own output head, cut to the sub-vocabulary a
+    draft model's would be (drafters.subvocab.draft_size), or whole (ids None)."""
+    size = draft_size(target)
+    if size is None:
+        layer, tied = head_layer(target)
+        return layer, tied, None
+    cut = sub_head(target, sub_vocab(target, size), target.vocab_size)
+    return cut.rows, cut.tied, cut.ids
