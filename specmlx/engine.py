@@ -21,6 +21,7 @@ import mlx.core as mx
 from . import drafters as registry
 from .drafters.protocol import Drafter, Proposal, Verdict, cost_id, interrupted
 from .errors import SpecmlxError
+from .heads import is_head
 from .loading import Model, backend, check_pair
 from .policy import AutoGamma, FixedGamma, Policy, RoundSummary, load_costs, save_costs
 from .policy.choice import Scheduler
@@ -160,10 +161,12 @@ class Session:
     def __init__(
         self,
         target: Model,
-        draft: Model | None = None,
+        draft: Model | Head | None = None,
         max_gamma: int = MAX_GAMMA,
         head: Head | None = None,
     ):
+        if is_head(draft):  # `draft` may be either: a model, or a head (heads/)
+            draft, head = None, draft
         if draft is not None:
             check_pair(target, draft)
         if head is not None and head.target is not target:
@@ -178,6 +181,11 @@ class Session:
         """Forget the conversation (every cache); keep the models and what was measured."""
         self.target.reset()
         self.made: dict[str, Drafter | None] = {}  # registered drafters, made when first run
+
+    @property
+    def sources(self) -> tuple:
+        """What it drafts from: the draft model and the head (either may be None)."""
+        return self.draft, self.head
 
     def drafters(self, mode: str) -> list[Drafter]:
         sources = registry.Sources(self.draft, self.head, self.vocab_size)
@@ -287,7 +295,7 @@ class Generation:
 def generate(
     target: Model,
     prompt: str | list[int],
-    draft: Model | None = None,
+    draft: Model | Head | None = None,
     *,
     max_tokens: int = 128,
     temperature: float = 0.0,
@@ -327,7 +335,7 @@ def generate(
     check_seed(seed)
     if session is None:
         session = Session(target, draft)
-    elif session.model is not target or (draft is not None and session.draft is not draft):
+    elif session.model is not target or not any(draft is d for d in (None, *session.sources)):
         raise SpecmlxError("this session was made for other models; make a new Session")
     mode = getattr(drafter, "name", None) or draft_mode
     has_draft = session.draft is not None or session.head is not None

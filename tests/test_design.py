@@ -9,8 +9,8 @@ import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).parent.parent / "specmlx"
-DRAFTER_CLASSES = {"ModelDrafter", "LookupDrafter", "CostProbe"}
-DRAFTER_NAMES = {"model", "lookup", "probe", "auto"}
+DRAFTER_CLASSES = {"ModelDrafter", "LookupDrafter", "CostProbe", "HeadDrafter"}
+DRAFTER_NAMES = {"model", "lookup", "probe", "head", "auto"}
 
 
 def sources(*suffixes: str) -> list[Path]:

@@ -19,8 +19,10 @@ Draft = typer.Option(
     None,
     "--draft",
     "-d",
-    help="Draft model: directory, hub id, or auto (the smallest local model with the target's "
-    "tokenizer; see `specmlx models`).",
+    help="What drafts: a draft model (directory or hub id), a head (a directory that "
+    "`specmlx head train` wrote, or an EAGLE-3 checkpoint), mtp (the MTP layers the target's "
+    "own checkpoint ships; the default where it has them), or auto (the smallest local model "
+    "with the target's tokenizer; see `specmlx models`).",
 )
 AUTO_DRAFT = "auto"
 NoDraft = typer.Option(False, "--no-draft", help="Plain decoding of the target (the baseline).")
@@ -125,11 +127,44 @@ def load_pair(
         draft = pick_auto_draft(model, log)
     # Weights are read now (not at the first forward) so "ready" means ready.
     target = load(model, dtype=dtype, lazy=False, cpu_weights=cpu_weights)
-    if no_draft or draft is None:
+    if no_draft:
         return target, None
+    head = load_head(target, draft, log)
+    if head is not None or draft is None:
+        return target, head
     drafter = load(draft, dtype=dtype, lazy=False, cpu_weights=cpu_weights, tokenizer_from=target)
     check_pair(target, drafter)
     return target, drafter
+
+
+def load_head(target, draft: str | None, log):
+    """The head `--draft` names (a head directory, an EAGLE-3 checkpoint, or mtp), said in
+    one line; None where it names a draft model, or nothing."""
+    from .. import heads
+    from ..loading import resolve_path
+
+    if draft is None:
+        return None
+    if draft == heads.MTP:
+        from ..heads import mtp
+
+        head = mtp.load_mtp(target)
+        log(f"draft: the MTP layers in {target.name}'s checkpoint ({head.describe()})")
+        return head
+    path = resolve_path(draft)
+    found = heads.what_is(path)
+    if found == "head":
+        from ..heads.store import load_head as load
+
+        head = load(path, target)
+    elif found == "eagle3":
+        from ..heads.eagle3 import load_eagle3
+
+        head = load_eagle3(path, target)
+    else:
+        return None
+    log(f"draft: {path} is a head: {head.describe()}")
+    return head
 
 
 def pick_auto_draft(model: str, log) -> str | None:

@@ -49,7 +49,10 @@ def memory_line() -> str:
 
 
 def startup_lines(target, draft, timings: dict, backend: str) -> list[str]:
-    """The start-up report: cold start and its parts, the model pair, backend, memory."""
+    """The start-up report: cold start and its parts, the model pair (or the target and
+    its head), backend, memory."""
+    from ..heads import is_head
+
     t = timings
     lines = [
         f"ready in {t['cold_start_s']:.2f} s (interpreter {t['before_main_s']:.2f} · "
@@ -61,6 +64,8 @@ def startup_lines(target, draft, timings: dict, backend: str) -> list[str]:
         lines.append(f"draft  {draft.describe()} {human_bytes(weight_bytes(draft))}")
     else:
         lines.append("draft  none (plain decoding)")
+    if is_head(draft):  # a head reads no weights file of its own kind, nor has a tokenizer
+        draft = None
     lines.append(f"read   {reading_line(target, draft)}")
     lines.append(f"tok    {tokenizer_line(target, draft)}")
     if backend == "cpu":

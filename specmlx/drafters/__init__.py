@@ -166,8 +166,12 @@ def check_exact(
     target: Model, draft: Model | None, mode: str | None, gamma: int | str, head: bool = False
 ) -> None:
     """Refuse at start-up, in one line, a setting that would speculate on a model whose
-    cache a rejected draft cannot be rolled back from (caches.check_rollback). `head`:
-    a head is loaded."""
+    cache a rejected draft cannot be rolled back from (caches.check_rollback). `draft`:
+    the draft model, or a head (heads.is_head); `head`: a head is loaded too."""
+    from ..heads import is_head
+
+    if is_head(draft):
+        draft, head = None, True
     mode = mode or default_mode(draft is not None or head)
     chosen = kinds() if mode == AUTO else [_KINDS[mode]]
     running = [

@@ -15,6 +15,14 @@ from pathlib import Path
 HEAD_FORMAT = "specmlx-head"  # config.json's "format" in specmlx's own head directory
 
 
+MTP = "mtp"  # --draft mtp: the MTP layers the target's own checkpoint ships
+
+
+def is_head(draft: object) -> bool:
+    """Whether a loaded draft is a head (heads.head.Head) rather than a draft model."""
+    return bool(getattr(draft, "is_head", False))
+
+
 def what_is(path: Path) -> str:
     """ "head" (specmlx's own), "eagle3" (an EAGLE-3 checkpoint) or "model" (anything
     else: loaded as a draft model, which says what is wrong with it)."""

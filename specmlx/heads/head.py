@@ -3,7 +3,7 @@ it reads its logits from."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -30,9 +30,22 @@ class Head:
     tied: bool  # rows are an embedding, read as a linear layer
     ids: mx.array | None  # (N,) uint32; None: the target's whole vocabulary, in order
     target: Model
-    kind: str  # what it was read from: "specmlx head", "EAGLE-3", "MTP"
+    kind: str  # what it was read from: "specmlx", "EAGLE-3", "MTP"
     path: Path | None = None
     taps: tuple[int, ...] | None = None  # target layers whose outputs are its features
+    info: dict = field(default_factory=dict)  # as a Model's: "weights_s", its load time
+
+    is_head = True  # what `--draft` loaded is a head, not a draft model (heads.is_head)
+
+    @property
+    def weights(self) -> str:
+        """Its linear layers' form: "int4" where the target keeps INT4, else its dtype's."""
+        quantized = any(isinstance(m, nn.QuantizedLinear) for _, m in self.module.named_modules())
+        return "int4" if quantized else self.target.weights
+
+    def describe(self) -> str:
+        taps = f", target layers {list(self.taps)}" if self.taps else ""
+        return f"{self.name} ({self.kind} head for {self.target.name}, {self.weights}{taps})"
 
     def logits(self, out: mx.array) -> mx.array:
         return self.rows.as_linear(out) if self.tied else self.rows(out)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -77,6 +78,7 @@ def read_config(path: Path) -> dict:
 def load_head(path: Path, target: Model) -> Head:
     """The head in directory `path`, for `target`; refused in one line when it was
     trained for another target."""
+    start = time.perf_counter()
     config = read_config(path)
     meant = config.get("target", {})
     if meant.get("weights_id") != weights_id(target.path):
@@ -93,7 +95,9 @@ def load_head(path: Path, target: Model) -> Head:
             f"cannot read the head's weights in {path} ({e}); train it again"
         ) from None
     ready(module, target)
-    return Head(module, *target_rows(target), target, "specmlx head", path)
+    head = Head(module, *target_rows(target), target, "specmlx", path)
+    head.info["weights_s"] = time.perf_counter() - start
+    return head
 
 
 def ready(module: nn.Module, target: Model) -> None:
