@@ -28,6 +28,7 @@ class ModelEntry:
     quantization: str  # "4-bit g64", or "dense"
     tokenizer: str | None  # group label; None where no tokenizer file is found
     source: str | None = None  # what specmlx converted it from (its specmlx.json)
+    head_for: str | None = None  # a head (heads/): the target it drafts for
     source_command: str | None = None  # what writes that source again, where it is gone
 
     def as_json(self) -> dict:
@@ -145,15 +146,32 @@ def entry(
     name: str, where: str, path: Path, size_bytes: int, vocab_keys: dict[str, str]
 ) -> ModelEntry:
     config = read_config(path)
+    kind, head_for = head_of(path, config)
     return ModelEntry(
         name=name,
         where=where,
         path=path,
-        model_type=config.get("model_type"),
+        model_type=kind or config.get("model_type"),
         size_bytes=size_bytes,
         quantization=quantization_label(config),
         tokenizer=tokenizer_key(path, vocab_keys),
+        head_for=head_for,
     )
+
+
+def head_of(path: Path, config: dict) -> tuple[str | None, str | None]:
+    """(what kind of head, the target it drafts for) where `path` holds a head, else
+    (None, None). An EAGLE-3 checkpoint names its target only where its config does."""
+    from .heads import what_is
+
+    found = what_is(path)
+    if found == "head":
+        target = config.get("target")
+        return "head", target.get("name") if isinstance(target, dict) else None
+    if found == "eagle3":
+        target = config.get("base_model") or config.get("_name_or_path")
+        return "EAGLE-3 head", target if isinstance(target, str) else None
+    return None, None
 
 
 def list_models() -> list[ModelEntry]:

@@ -123,3 +123,19 @@ def test_draft_auto_with_no_match_says_so_and_runs_the_target_alone(home):
     assert run.stdout.strip()
     scripted = json.loads(specmlx(*args, "--json", home=home).stdout)
     assert scripted["draft"] is None and scripted["tokens"], scripted
+
+
+def test_heads_are_listed_beside_models_with_the_target_each_drafts_for(tmp_path):
+    import specmlx as lib
+    from specmlx.heads.feature import new_head
+    from specmlx.heads.store import save_head
+
+    target_path = build_tiny_model(tmp_path / "models" / "target", seed=0)
+    target = lib.load(target_path)
+    save_head(new_head(target), target, tmp_path / "models" / "target-head", {"steps": 0})
+    models = listing(tmp_path)
+    assert models["target-head"]["model_type"] == "head"
+    assert models["target-head"]["head_for"] == "target"
+    assert models["target"]["head_for"] is None
+    table = specmlx("models", home=tmp_path).stdout
+    assert "head for" in table

@@ -50,15 +50,13 @@ def models(
     table.add_column("name", overflow="fold")  # folded, never cut short: rm and --draft take it
     for column in ("where", "type", "size", "quantization", "tokenizer"):
         table.add_column(column, no_wrap=True)
+    heads = any(e.head_for for e in entries)
+    if heads:
+        table.add_column("head for", overflow="fold")
     for e in entries:
-        table.add_row(
-            e.name,
-            e.where,
-            e.model_type or "-",
-            human_bytes(e.size_bytes),
-            e.quantization,
-            e.tokenizer or "-",
-        )
+        row = [e.name, e.where, e.model_type or "-", human_bytes(e.size_bytes), e.quantization]
+        row.append(e.tokenizer or "-")
+        table.add_row(*row, *([e.head_for or "-"] if heads else []))
     out.print(table)
     for e in entries:
         if e.source_command:  # plain text: a name in [brackets] would be markup
