@@ -7,6 +7,8 @@ text, plain or quantized; one made for another target is refused in one line."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -254,3 +256,19 @@ def test_weights_other_than_safetensors_are_refused_with_the_fix(eagle3, tmp_pat
     with pytest.raises(SpecmlxError, match=r"safetensors only\); convert") as error:
         load_eagle3(tmp_path, target)
     assert "\n" not in str(error.value)
+
+
+def test_specmlx_quantize_writes_an_int4_copy_that_generate_takes_as_a_head(eagle3, tmp_path):
+    target, path, _ = eagle3("llama")
+
+    def specmlx_run(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "specmlx", *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+    done = specmlx_run("quantize", str(path), "-o", str(tmp_path / "q"))
+    assert done.returncode == 0, done.stderr
+    again = specmlx_run("quantize", str(path), "-o", str(tmp_path / "q"))
+    assert again.returncode == 2 and "--force" in again.stderr  # never replaced unasked
+    done = specmlx_run("generate", "-m", str(target.path), "-d", str(tmp_path / "q"), "-p", "def")
+    assert done.returncode == 0, done.stderr
+    assert "EAGLE-3 head" in done.stderr and "int4" in done.stderr

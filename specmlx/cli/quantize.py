@@ -60,6 +60,17 @@ def quantize(
     if (out.expanduser().exists() or out.expanduser().is_symlink()) and not force:
         raise SpecmlxError(f"{out} already exists; pass --force to replace it")
     console = Console(stderr=True, soft_wrap=True)
+    from ..heads import what_is
+
+    source = Path(src).expanduser()
+    if source.is_dir() and what_is(source) == "eagle3":  # a head: its own small layout
+        from ..heads.eagle3 import quantize_eagle3
+
+        quantize_eagle3(source, out.expanduser(), group_size, bits)
+        console.print(
+            Text.assemble((f"wrote {out}", "green"), f" (EAGLE-3 head, INT{bits} g{group_size})")
+        )
+        return
     with progress.conversion(console) as on_progress:
         summary = run(src, out, bits, group_size, embed_bits, dtype, force, on_progress=on_progress)
     # Text, not markup: a path or tensor name may hold [brackets] that markup would eat.
