@@ -141,3 +141,25 @@ def test_a_heads_drafts_keep_the_target_distribution_at_t1(tmp_path_factory, sam
         gen.close()
         counts[a, b] += 1
     assert chi_square_pvalue(counts, exact_joint(target, settings, prompt)) > ALPHA
+
+
+def test_a_server_with_a_head_answers_with_the_target_alones_greedy_text(heads):
+    import openai
+    from test_server import running, template_ids
+
+    from specmlx.server import make_app
+
+    target, head = heads("qwen2")
+    ids = template_ids(target, "def fibonacci")
+    alone = specmlx.generate(target, ids, max_tokens=16, num_draft=0).run()
+    with running(make_app(target, head, model_id="tiny")) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="-", max_retries=0, timeout=60)
+        reply = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "def fibonacci"}],
+            temperature=0,
+            max_tokens=16,
+            extra_body={"num_draft": 3, "draft_mode": "head"},
+        )
+    assert reply.choices[0].message.content == alone.text
+    assert reply.model_extra["specmlx"]["drafted"] > 0
