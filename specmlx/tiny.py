@@ -180,6 +180,62 @@ ARCHITECTURES: dict[str, dict] = {
 }
 
 
+# Architectures built only with MTP layers (tests/test_mtp.py), apart from ARCHITECTURES so
+# that the tests over every tiny architecture do not pick them up. DeepSeek-V3 has 61 layers
+# because mlx-lm's deepseek_v3 sanitize drops the NextN layer by that index (the real
+# models'), not by num_hidden_layers; all dense but the last, to keep it cheap.
+MTP_ARCHITECTURES: dict[str, dict] = {
+    "deepseek_v3": {
+        "num_hidden_layers": 61,
+        "first_k_dense_replace": 60,
+        "num_key_value_heads": 4,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "n_group": 1,
+        "topk_group": 1,
+        "kv_lora_rank": 32,
+        "q_lora_rank": 32,
+        "qk_rope_head_dim": 16,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 16,
+        "num_nextn_predict_layers": 1,
+    },
+    "glm4_moe": {
+        "head_dim": 16,
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0,
+        "n_group": 1,
+        "topk_group": 1,
+        "rope_scaling": None,
+        "use_qk_norm": True,
+        "attention_bias": True,
+        "partial_rotary_factor": 0.5,
+        "num_nextn_predict_layers": 1,
+    },
+    "mimo": {"num_nextn_predict_layers": 1},
+}
+# Qwen3-Next's RMSNorms scale by 1 + weight: these are stored as weight - 1 upstream.
+_OFFSET_NORMS = (
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    "model.norm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+    "mtp.pre_fc_norm_embedding.weight",
+    "mtp.pre_fc_norm_hidden.weight",
+    "mtp.norm.weight",
+)
+# What a NextN layer's copies of the target's tensors copy.
+_COPIES = {"embed_tokens.": "model.embed_tokens.weight", "shared_head.head.": "lm_head.weight"}
+
+
 def _config(arch: str, vocab_size: int, hidden: int, layers: int) -> dict:
     config = {
         "model_type": arch,
@@ -197,7 +253,7 @@ def _config(arch: str, vocab_size: int, hidden: int, layers: int) -> dict:
         "bos_token_id": None,
         "eos_token_id": None,
     }
-    config.update(ARCHITECTURES[arch])
+    config.update({**ARCHITECTURES, **MTP_ARCHITECTURES}[arch])
     if arch == "qwen3_5":  # a multimodal wrapper: the language model's config is nested
         config = {"model_type": arch, "text_config": config, "tie_word_embeddings": False}
     return config
@@ -213,6 +269,7 @@ def build_tiny_model(
     logit_scale: float = 4.0,
     perturb_from: str | Path | None = None,
     noise: float = 0.0,
+    mtp: bool = False,
 ) -> Path:
     """Write a random `arch` model with a trained tokenizer to `path`; return the path.
 
@@ -221,9 +278,18 @@ def build_tiny_model(
     `logit_scale` sharpens the output distribution so acceptance is neither 0 nor 1.
     With `perturb_from`, the weights are a copy of that model plus Gaussian `noise`
     times each tensor's standard deviation: a draft that is close to, not equal to, it.
+    With `mtp`, new weights come with an MTP layer (specmlx.heads.mtp's layouts), all in the
+    hub's layout (experts one by one, Qwen3-Next's norms as weight - 1): the one in which
+    mlx-lm's sanitize drops the MTP layer as the model loads.
     """
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"no tiny config for {arch!r}; known: {', '.join(ARCHITECTURES)}")
+    known = {**ARCHITECTURES, **MTP_ARCHITECTURES}
+    if arch not in known:
+        raise ValueError(f"no tiny config for {arch!r}; known: {', '.join(known)}")
+    if mtp:
+        from .heads.mtp import LAYOUTS
+
+        if arch not in LAYOUTS:
+            raise ValueError(f"no MTP layout for {arch!r}; known: {', '.join(LAYOUTS)}")
     from .mlxlm import model_classes
 
     path = Path(path)
@@ -249,6 +315,8 @@ def build_tiny_model(
             head = weights[name] * logit_scale
             head[n_tokens:] = 0  # padding rows are never trained in real checkpoints either
             weights[name] = head
+        if mtp:
+            weights = _upstream(arch, {**weights, **_mtp_weights(model, config, weights)})
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
 
     (path / "config.json").write_text(json.dumps(config, indent=2))
@@ -268,3 +336,45 @@ def build_tiny_model(
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos_id]}))
     return path
+
+
+def _mtp_weights(model, config: dict, weights: dict) -> dict:
+    """A random MTP layer for `model` under its upstream names (MLX's layout), its norms
+    away from 1 so that a reader missing an offset is caught; a NextN layer's copies of the
+    target's embedding and head beside it, as the hub's checkpoints ship them."""
+    from .heads import mtp
+
+    layer = {}
+    for name, value in tree_flatten(mtp.skeleton(model, config).parameters()):
+        if value.ndim == 1 and name.endswith("norm.weight"):
+            value = 1.0 + 0.1 * mx.random.normal(value.shape)
+        layer[mtp.stored_name(config, name)] = value
+    layout = mtp.layout_of(config)
+    prefix = mtp.layer_prefix(layout, config)
+    for copy in layout.copies:
+        layer[f"{prefix}{copy}weight"] = weights[_COPIES[copy]]
+    return layer
+
+
+def _upstream(arch: str, weights: dict) -> dict:
+    """MLX's layout back to the hub's, as mlx-lm's sanitize reads it: experts one by one,
+    DeepSeek's kv_b_proj whole, Qwen3-Next's norms as weight - 1 and its convolutions
+    (channels, 1, kernel)."""
+    out = {}
+    for name, value in weights.items():
+        if ".switch_mlp." in name:
+            for e in range(value.shape[0]):
+                out[name.replace(".switch_mlp.", f".experts.{e}.")] = value[e]
+        elif name.endswith("self_attn.embed_q.weight"):  # with unembed_out, kv_b_proj's halves
+            values = weights[name.replace("embed_q", "unembed_out")]
+            whole = mx.concatenate([value.swapaxes(-1, -2), values], axis=1)
+            out[name.replace("embed_q", "kv_b_proj")] = whole.reshape(-1, value.shape[1])
+        elif name.endswith("self_attn.unembed_out.weight"):
+            continue
+        elif arch == "qwen3_next" and value.ndim == 1 and name.endswith(_OFFSET_NORMS):
+            out[name] = value - 1.0
+        elif arch == "qwen3_next" and "conv1d.weight" in name:
+            out[name] = value.swapaxes(1, 2)
+        else:
+            out[name] = value
+    return out

@@ -6,6 +6,10 @@ tensor is read a chunk of rows at a time, cast, quantized with `mx.quantize` (th
 mlx-lm's `nn.quantize` makes, so the packed bits are identical) and streamed into a
 pre-planned shard. Everything lands in a temp dir beside OUT that is renamed into place
 only when complete, so an error or Ctrl-C leaves no partial OUT behind.
+
+A checkpoint's MTP layer (specmlx.heads.mtp), which mlx-lm's convert drops, is kept: in
+MLX's layout, quantized as the model's layers are, under its upstream names, in its own
+file (heads.mtp.MTP_FILE), so that `--draft mtp` still finds it in the converted model.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -36,9 +41,11 @@ BITS = (2, 3, 4, 6, 8)
 GROUP_SIZES = (32, 64, 128)
 KEEP = 16  # --embed-bits 16: leave embedding and head unquantized, in --dtype
 OUTPUT_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
-# Architectures whose mlx-lm `sanitize` only drops or renames tensors, so it can run on
-# tensor descriptions instead of loaded arrays (what streaming needs).
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+# Architectures whose mlx-lm `sanitize` computes tensors (stacks experts, shifts norms): it
+# runs on lazily loaded arrays, and what it computes is evaluated one tensor at a time
+# (`through`). The others' only drops or renames tensors, so it runs on their descriptions.
+COMPUTED_ARCHS = ("qwen3_next",)
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", *COMPUTED_ARCHS)
 MAX_SHARD_BYTES = 5 << 30  # mlx-lm's MAX_FILE_SIZE_GB
 CHUNK_ELEMENTS = 1 << 23  # rows read per step: ~32 MB of float32, whatever the tensor
 TOKENIZER_FILES = (
@@ -82,7 +89,9 @@ class _Spec:
 
     name: str
     outputs: list[shards.Planned]
+    tensor: SourceTensor
     bits: int | None = None
+    group_size: int | None = None
 
 
 def check_settings(bits: int, group_size: int, embed_bits: int, dtype: str | None) -> None:
@@ -152,7 +161,8 @@ def open_safetensors_dir(path: Path, location: str) -> Source:
         stored, raw_header = shards.read_header(file)
         digest.update(raw_header)
         for name, t in stored.items():
-            tensors[name] = SourceTensor(t.shape, t.nbytes, t.read_rows)
+            array = partial(_lazy, file, name)
+            tensors[name] = SourceTensor(t.shape, t.nbytes, t.read_rows, array=array)
     if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise SpecmlxError(f"{path} has no tokenizer (tokenizer.json, tokenizer.model, vocab.json)")
 
@@ -208,17 +218,81 @@ def build_skeleton(config: dict) -> nn.Module:
 
 def plan(
     source: Source, bits: int, group_size: int, embed_bits: int, dtype: str
-) -> tuple[list[_Spec], dict, list[str]]:
-    """Per tensor: outputs and bits; the config's `quantization` entry; unquantized layers.
+) -> tuple[list[_Spec], dict, list[str], list[_Spec]]:
+    """Per tensor: outputs and bits; the config's `quantization` entry; unquantized layers;
+    and the specs of the MTP layer kept in its own file ([] where there is none).
 
     Which layers quantize follows mlx-lm's `quantize_model`: every module that can
-    (`to_quantized`) and whose input dimension divides into groups.
+    (`to_quantized`) and whose input dimension divides into groups, with the settings the
+    model's `quant_predicate` gives it where it has one.
     """
+    from ..heads import mtp
+
     model = build_skeleton(source.config)
-    tensors = source.tensors
+    aside = set(mtp.mtp_keys(source.config, source.tensors))
+    tensors = {name: t for name, t in source.tensors.items() if name not in aside}
     if hasattr(model, "sanitize"):
-        tensors = model.sanitize(dict(tensors))
+        if source.config["model_type"] in COMPUTED_ARCHS:
+            tensors = through(model.sanitize, tensors)
+        else:
+            tensors = model.sanitize(dict(tensors))
     expected = dict(tree_flatten(model.parameters()))
+    check_names(source.path, "tensors", expected, tensors)
+    quantization: dict = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    predicate = getattr(model, "quant_predicate", None)
+    settings, unquantized = layer_settings(
+        model, predicate, quantization, bits, group_size, embed_bits
+    )
+    type_name = shards.NAMES[OUTPUT_DTYPES[dtype]]
+    specs = [
+        _spec(name, tensors[name], param.shape, settings, type_name, source.path)
+        for name, param in expected.items()
+    ]
+    kept = plan_mtp(model, predicate, source, aside, bits, group_size, type_name)
+    return specs, quantization, unquantized, kept
+
+
+def plan_mtp(
+    model: nn.Module,
+    predicate: Callable | None,
+    source: Source,
+    aside: set[str],
+    bits: int,
+    group_size: int,
+    type_name: str,
+) -> list[_Spec]:
+    """The first MTP layer among the tensors set `aside`: in MLX's layout (the model's own
+    sanitize stacks its experts, shifts its norms), its layers quantized as the model's,
+    under its upstream names. Refused in one line where it is incomplete."""
+    from ..heads import mtp
+
+    config = source.config
+    found = mtp.find(config, aside)
+    if not found.keys:
+        return []
+    missing = found.missing()
+    if missing:
+        raise SpecmlxError(
+            f"{source.path}: its MTP layer is incomplete ({', '.join(missing)} missing); "
+            "re-download the checkpoint"
+        )
+    head = mtp.skeleton(model, config)
+    tensors = through(
+        lambda arrays: mtp.head_weights(model, config, arrays),
+        {name: source.tensors[name] for name in found.keys},
+    )
+    expected = dict(tree_flatten(head.parameters()))
+    check_names(source.path, "MTP tensors", expected, tensors)
+    settings, _ = layer_settings(head, predicate, {}, bits, group_size, bits)
+    stored = partial(mtp.stored_name, config)
+    return [
+        _spec(name, tensors[name], param.shape, settings, type_name, source.path, stored)
+        for name, param in expected.items()
+    ]
+
+
+def check_names(path: Path, what: str, expected: dict, tensors: dict) -> None:
+    """Refuse, in one line, tensors that are not the ones the config's architecture has."""
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
     if missing or extra:
@@ -228,45 +302,103 @@ def plan(
         if extra:
             problems.append(f"unexpected {', '.join(extra[:4])}{' …' if len(extra) > 4 else ''}")
         raise SpecmlxError(
-            f"{source.path}: tensors do not match the config's architecture ({'; '.join(problems)})"
+            f"{path}: {what} do not match the config's architecture ({'; '.join(problems)})"
         )
-    quantization: dict = {"group_size": group_size, "bits": bits, "mode": "affine"}
-    layer_bits: dict[str, int] = {}
+
+
+def layer_settings(
+    model: nn.Module,
+    predicate: Callable | None,
+    quantization: dict,
+    bits: int,
+    group_size: int,
+    embed_bits: int,
+) -> tuple[dict[str, tuple[int, int]], list[str]]:
+    """(bits, group size) of each layer that quantizes, and the layers that do not; the
+    per-layer settings that differ from the defaults are added to `quantization`."""
+    settings: dict[str, tuple[int, int]] = {}
     unquantized = []
     for path, module in model.named_modules():
         if not hasattr(module, "to_quantized"):
             continue
         is_embedding = isinstance(module, nn.Embedding) or path.split(".")[-1] == "lm_head"
+        chosen = True if predicate is None else predicate(path, module)
         if module.weight.shape[-1] % group_size != 0:
             unquantized.append(path)
         elif is_embedding and embed_bits == KEEP:
             unquantized.append(path)
         elif is_embedding and embed_bits != bits:
-            layer_bits[path] = embed_bits
+            settings[path] = (embed_bits, group_size)
             quantization[path] = {"group_size": group_size, "bits": embed_bits, "mode": "affine"}
+        elif chosen is False:
+            unquantized.append(path)
+        elif isinstance(chosen, dict):
+            settings[path] = (chosen["bits"], chosen["group_size"])
+            quantization[path] = chosen
         else:
-            layer_bits[path] = bits
-    type_name = shards.NAMES[OUTPUT_DTYPES[dtype]]
-    specs = []
-    for name, param in expected.items():
-        if tuple(tensors[name].shape) != tuple(param.shape):
-            raise SpecmlxError(
-                f"{source.path}: tensor {name} has shape {tuple(tensors[name].shape)}, "
-                f"the config implies {tuple(param.shape)}"
-            )
-        module_path, _, leaf = name.rpartition(".")
-        layer = layer_bits.get(module_path) if leaf == "weight" else None
-        if layer is None:
-            specs.append(_Spec(name, [shards.Planned(name, type_name, tuple(param.shape))]))
-            continue
-        *outer, cols = param.shape
-        outputs = [
-            shards.Planned(name, "U32", (*outer, cols * layer // 32)),
-            shards.Planned(f"{module_path}.scales", type_name, (*outer, cols // group_size)),
-            shards.Planned(f"{module_path}.biases", type_name, (*outer, cols // group_size)),
-        ]
-        specs.append(_Spec(name, outputs, layer))
-    return specs, quantization, unquantized
+            settings[path] = (bits, group_size)
+    return settings, unquantized
+
+
+def _spec(
+    name: str,
+    tensor: SourceTensor,
+    shape: tuple[int, ...],
+    settings: dict[str, tuple[int, int]],
+    type_name: str,
+    path: Path,
+    stored: Callable[[str], str] = str,
+) -> _Spec:
+    """The outputs of tensor `name` (written under `stored(name)`), quantized where its
+    layer is in `settings`."""
+    if tuple(tensor.shape) != tuple(shape):
+        raise SpecmlxError(
+            f"{path}: tensor {name} has shape {tuple(tensor.shape)}, "
+            f"the config implies {tuple(shape)}"
+        )
+    module_path, _, leaf = name.rpartition(".")
+    setting = settings.get(module_path) if leaf == "weight" else None
+    if setting is None:
+        return _Spec(stored(name), [shards.Planned(stored(name), type_name, tuple(shape))], tensor)
+    bits, size = setting
+    *outer, cols = shape
+    outputs = [
+        shards.Planned(stored(name), "U32", (*outer, cols * bits // 32)),
+        shards.Planned(stored(f"{module_path}.scales"), type_name, (*outer, cols // size)),
+        shards.Planned(stored(f"{module_path}.biases"), type_name, (*outer, cols // size)),
+    ]
+    return _Spec(stored(name), outputs, tensor, bits, size)
+
+
+def _lazy(file: Path, name: str) -> mx.array:
+    """Tensor `name` of `file` as a lazy array. mx.load is called per tensor, not once per
+    file, so that no dict outlives the call holding arrays already evaluated."""
+    return mx.load(str(file))[name]
+
+
+def through(
+    transform: Callable[[dict], dict], tensors: dict[str, SourceTensor]
+) -> dict[str, SourceTensor]:
+    """`transform` (a sanitize) run on `tensors` as lazy arrays: what it passes through,
+    renamed or not, is still read a chunk of rows at a time; what it computes (stacked
+    experts, shifted norms) is evaluated whole at its first read and let go at its last."""
+    arrays = {name: t.array() for name, t in tensors.items()}
+    origin = {id(array): tensors[name] for name, array in arrays.items()}
+    out = transform(arrays)
+    return {name: origin[id(v)] if id(v) in origin else _computed(v) for name, v in out.items()}
+
+
+def _computed(array: mx.array) -> SourceTensor:
+    held = [array]
+
+    def read_rows(start: int, stop: int) -> mx.array:
+        whole = held[0]
+        mx.eval(whole)
+        if stop == whole.shape[0]:
+            held.clear()  # its last rows: nothing keeps it once they are written
+        return whole[start:stop]
+
+    return SourceTensor(tuple(array.shape), array.nbytes, read_rows)
 
 
 def check_output(out: Path, source_path: Path, force: bool) -> None:
@@ -363,12 +495,11 @@ def _umask() -> int:
 
 def _stream_tensor(
     writer: shards.ShardWriter,
-    tensor: SourceTensor,
     spec: _Spec,
     dtype: mx.Dtype,
-    group_size: int,
     advance: Callable[[int], None],
 ) -> None:
+    tensor = spec.tensor
     rows = tensor.shape[0]
     row_elems = int(np.prod(tensor.shape[1:], dtype=np.int64))
     align = tensor.row_align
@@ -379,7 +510,7 @@ def _stream_tensor(
         if spec.bits is None:
             arrays = [x]
         else:
-            arrays = list(mx.quantize(x, group_size, spec.bits))  # packed weight, scales, biases
+            arrays = list(mx.quantize(x, spec.group_size, spec.bits))  # weight, scales, biases
         mx.eval(arrays)
         for planned, array in zip(spec.outputs, arrays, strict=True):
             writer.write_rows(planned.name, start, array)
@@ -407,6 +538,7 @@ def quantize(
     float16/bfloat16, else float16).
     """
     from .. import __version__
+    from ..heads.mtp import MTP_FILE
 
     t_start = time.perf_counter()
     check_settings(bits, group_size, embed_bits, dtype)
@@ -417,39 +549,42 @@ def quantize(
     if dtype is None:
         torch_dtype = source.config.get("torch_dtype")
         dtype = torch_dtype if torch_dtype in ("float16", "bfloat16") else "float16"
-    specs, quantization, unquantized = plan(source, bits, group_size, embed_bits, dtype)
+    specs, quantization, unquantized, kept = plan(source, bits, group_size, embed_bits, dtype)
     planned_shards = shards.plan_shards((s.outputs for s in specs), max_shard_bytes)
     size_bytes = sum(t.nbytes for shard in planned_shards for t in shard)
-    parameters = sum(int(np.prod(source.tensors[s.name].shape)) for s in specs)
-    check_free_space(out, size_bytes + _tokenizer_bytes(source))
+    parameters = sum(int(np.prod(s.tensor.shape)) for s in specs)
+    kept_outputs = [t for s in kept for t in s.outputs]
+    kept_bytes = sum(t.nbytes for t in kept_outputs)
+    check_free_space(out, size_bytes + kept_bytes + _tokenizer_bytes(source))
 
-    bytes_total = sum(source.tensors[s.name].nbytes for s in specs)
+    bytes_total = sum(s.tensor.nbytes for s in specs + kept)
     done = {"bytes": 0, "tensors": 0}
+    count = len(specs) + len(kept)
 
     def advance(nbytes: int, name: str) -> None:
         done["bytes"] += nbytes
         if on_progress is not None:
-            on_progress(Progress(name, done["tensors"], len(specs), done["bytes"], bytes_total))
+            on_progress(Progress(name, done["tensors"], count, done["bytes"], bytes_total))
 
     previous_cache_limit = mx.set_cache_limit(0)  # freed chunks go back to the OS at once
     try:
         with atomic_directory(out) as tmp:
             writer = shards.ShardWriter(tmp, planned_shards)
+            aside = shards.ShardWriter(tmp, [kept_outputs], [MTP_FILE])
             try:
-                for spec in specs:
-                    tensor = source.tensors[spec.name]
-                    _stream_tensor(
-                        writer,
-                        tensor,
-                        spec,
-                        OUTPUT_DTYPES[dtype],
-                        group_size,
-                        lambda n, name=spec.name: advance(n, name),
-                    )
-                    done["tensors"] += 1
-                    advance(0, spec.name)
+                for to, group in ((writer, specs), (aside, kept)):
+                    for spec in group:
+                        _stream_tensor(
+                            to,
+                            spec,
+                            OUTPUT_DTYPES[dtype],
+                            lambda n, name=spec.name: advance(n, name),
+                        )
+                        done["tensors"] += 1
+                        advance(0, spec.name)
             finally:
                 writer.close()
+                aside.close()
             _write_metadata(tmp, source, writer, quantization, dtype, size_bytes, parameters)
             bits_per_weight = size_bytes * 8 / parameters
             info = {

@@ -160,9 +160,11 @@ def disk_full(directory: Path) -> SpecmlxError:
 class ShardWriter:
     """Writes planned shards whose tensors arrive in plan order, chunk by chunk of rows."""
 
-    def __init__(self, directory: Path, shards: list[list[Planned]]):
+    def __init__(
+        self, directory: Path, shards: list[list[Planned]], names: list[str] | None = None
+    ):
         self.directory = directory
-        self.names = shard_names(len(shards))
+        self.names = names or shard_names(len(shards))  # `names`: files other than the model's
         self.location: dict[str, tuple[int, int, Planned]] = {}  # name → (shard, offset, plan)
         self.headers = []
         for index, tensors in enumerate(shards):

@@ -21,6 +21,9 @@ class SourceTensor:
     nbytes: int  # bytes it occupies in the source (drives the progress bar)
     read_rows: Callable[[int, int], mx.array]  # rows [start, stop) as a floating array
     row_align: int = 1  # reads must start and stop on multiples of this (GGUF head blocks)
+    # The whole tensor as a lazy MLX array (safetensors sources), for a sanitize that
+    # computes from it (quantize.through); nothing is read until it is evaluated.
+    array: Callable[[], mx.array] | None = None
 
 
 @dataclass
