@@ -22,6 +22,7 @@ import specmlx
 from specmlx.caches import layers
 from specmlx.convert.quantize import SUPPORTED_ARCHS, quantize
 from specmlx.cpu import native, quantized
+from specmlx.exactness import RECURRENT_EXACT
 from specmlx.tiny import ARCHITECTURES
 
 # How each architecture's caches are rolled back: by trimming (every layer keeps every
@@ -133,8 +134,9 @@ def test_greedy_speculation_on_int4_and_int8_activations_equals_the_target_alone
     target, draft = models
     assert quantized.runs_int4(target.module)
     # Where a multi-token pass is not bit-exact, int8 x would decode near-ties apart.
-    # Sliding windows are exact on the native attention op (specmlx.cpu.attention).
-    exact = ROLLBACK[arch] == "trim" or arch in {"gemma3_text", "gpt_oss"}
+    # Sliding windows are exact on the native attention op (specmlx.cpu.attention), and
+    # the recurrent layers exactness.RECURRENT_EXACT names give a step's bits in a pass.
+    exact = ROLLBACK[arch] == "trim" or arch in {"gemma3_text", "gpt_oss", *RECURRENT_EXACT}
     assert native.activations() == ("int8" if exact else "float32")
     assert exact or "not bit-exact" in native.describe()
     ids = target.tokenizer.encode(PROMPT)
