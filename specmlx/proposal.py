@@ -28,7 +28,11 @@ class Proposal:
     `tokens` (g,) and `q` (g, V) may still be lazy. q None means: greedy (not needed), or,
     at temperature > 0, drafts that are guesses rather than samples (the target judges
     them as point masses). `parents` None is a chain; else node j hangs under node
-    parents[j] (-1: the last emitted token), parents before children (specmlx.tree).
+    parents[j] (-1: the last emitted token), parents before children (specmlx.tree), and
+    siblings in the order the verify tries them. In a tree, q[j] is the distribution node
+    j was drawn from given everything drawn before it: for siblings drawn without
+    replacement, the drafter's distribution with the earlier siblings removed and
+    renormalised (verify.accept_tree_reject; drafters.treedraft does this).
     The other fields tell the γ policy how clean a figure of the draft's cost this is.
     """
 

@@ -7,11 +7,11 @@ queues ahead. The engine asks it for one of two things a round:
 - `verify(last, proposal, key)`: ONE pass over [last emitted token, *drafts], the drafts
   a chain or a tree (specmlx.tree); accept/reject on the device; the cache keeps exactly
   the accepted path. A tree runs with a tree mask and each node at its depth's position,
-  and its kept entries are compacted, on every attention cache (caches.TREE_KINDS),
-  greedy or coupled (each node judged against the target's own token at its parent); on
-  a recurrent state, and under rejection sampling (multi-candidate rejection sampling is
-  not built yet), its first path is verified as a chain, which is exact, and the Verdict
-  says so.
+  and its kept entries are compacted, on every attention cache (caches.TREE_KINDS):
+  greedy or coupled, each node judged against the target's own token at its parent;
+  under rejection sampling by multi-candidate rejection sampling (verify.
+  accept_tree_reject). On a recurrent state its first path is verified as a chain,
+  which is exact, and the Verdict says so.
 - `step(last, key, next_key, room)`: one plain pass. While Python handles its token the
   device may already compute the next plain pass (as mlx-lm's generate_step does): it is
   built before the token is read and run only once `next_round` learns that the next
@@ -215,8 +215,7 @@ class Target:
     def verify(self, last: int, proposal: Proposal, key: mx.array) -> Verdict:
         """One pass over [last, *proposal's drafts]; the cache keeps the accepted path."""
         start = time.perf_counter()
-        judged_whole = self.params.greedy or self.params.coupled
-        as_chain = not proposal.is_chain and not (self.verifies_trees and judged_whole)
+        as_chain = not proposal.is_chain and not self.verifies_trees
         if as_chain:
             proposal = proposal.along(tree.first_path(proposal.parents))
         saved = checkpoint(self.cache) if proposal.is_chain else None
@@ -231,9 +230,9 @@ class Target:
             path = list(range(int(n)))
         else:
             logits, hidden = self._tree_forward(x, proposal.parents)
-            n, token, row = self._judge_tree(logits, proposal, key)
+            n, token, row, probs = self._judge_tree(logits, proposal, key)
             mx.eval(n, token, row)
-            path, probs = tree.path_to(proposal.parents, int(row) - 1), None
+            path = tree.path_to(proposal.parents, int(row) - 1)
         verified = time.perf_counter()
         drafts = proposal.tokens.tolist()
         kept = [last, *(drafts[j] for j in path)]
@@ -261,19 +260,28 @@ class Target:
         )
 
     def _judge_tree(self, logits: mx.array, proposal: Proposal, key: mx.array) -> tuple:
-        """accept_tree over the pass's rows; coupled, each row drawn with the key of its
-        depth's position (`key`: one per position from the root's on)."""
+        """The tree verifier over the pass's rows: greedy or coupled, accept_tree (coupled,
+        each row drawn with the key of its depth's position: `key` holds one per position
+        from the root's on); rejection sampling, accept_tree_reject with the drafts' q
+        (point masses for guesses)."""
         parents = proposal.parents
-        ancestry, depths = tree.ancestry(parents), tree.depths(parents)
+        ancestry, depths, ranks = tree.ancestry(parents), tree.depths(parents), tree.ranks(parents)
         judge = make_tree_verifier(self.params, self.vocab_size)
-        rows = mx.array([0, *depths]) if self.params.coupled else None
+        sampled = not (self.params.greedy or self.params.coupled)
+        q = proposal.q
+        if sampled and q is None:  # guesses
+            q = point_mass(proposal.tokens, self.vocab_size)
+        if self.params.coupled:
+            key = key[mx.array([0, *depths])]
         return judge(
             logits,
+            q,
             proposal.tokens,
             mx.array([p + 1 for p in parents], mx.uint32),
+            mx.array([[r == k for r in ranks] for k in range(max(ranks) + 1)], mx.float32),
             mx.array([row[1:] for row in ancestry[1:]], mx.float32),
             mx.array(depths, mx.int32),
-            key[rows] if rows is not None else mx.zeros((len(parents) + 1, 2), mx.uint32),
+            key,
         )
 
     def _tree_forward(self, x: mx.array, parents: list[int]) -> tuple:

@@ -58,6 +58,17 @@ def first_path(parents: list[int]) -> list[int]:
         node = child
 
 
+def ranks(parents: list[int]) -> list[int]:
+    """Each node's place among its parent's children, 0 for the first: the order in which
+    a verify tries siblings (the drafter's order of preference, or of its draws)."""
+    seen: dict[int, int] = {}
+    out = []
+    for parent in parents:
+        out.append(seen.get(parent, 0))
+        seen[parent] = out[-1] + 1
+    return out
+
+
 def ancestry(parents: list[int]) -> list[list[bool]]:
     """(g + 1) x (g + 1): row i, column k is True where pass row k is pass row i or one of
     its ancestors (row 0, the root, is every row's ancestor): the attention mask among a

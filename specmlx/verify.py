@@ -213,22 +213,113 @@ def accept_tree(
     return n, chosen[row], row
 
 
+def accept_tree_reject(
+    p: mx.array,
+    q: mx.array,
+    draft_tokens: mx.array,
+    parent_rows: mx.array,
+    ranks: mx.array,
+    ancestors: mx.array,
+    depths: mx.array,
+    key: mx.array,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """Multi-candidate rejection sampling on a tree (SpecInfer's multi-step speculative
+    sampling; Recursive Speculative Decoding where siblings are drawn without
+    replacement). Returns accept_tree's (accepted depth n, the token emitted after them,
+    the pass row of the deepest accepted node, 0 for none).
+
+    The walk starts at the root with p' = p at its row and tries its children in order:
+    child x passes with min(1, p'(x) / q_x(x)); on a rejection p' <- norm(max(0, p' - q_x))
+    and the next child is tried; the first to pass is taken and the walk goes on from its
+    row with p' = p there. Where every child fails (or there is none) the token is drawn
+    from p' as it stands: the residual, or at a leaf p itself (the bonus).
+
+    Exact when each node's q row is the distribution its token was drawn from given
+    everything drawn before it: one step of rejection sampling of target p' with proposal
+    q emits x with min(p', q)(x) and rejects with Σ max(0, p' - q), so if what follows a
+    rejection emits norm(max(0, p' - q)), whatever that is drawn from, p' is emitted
+    exactly; by induction over the siblings, and over the rows of the walk, every emitted
+    token follows the target's p. Siblings that are:
+    - independent draws from the drafter's distribution d (with replacement): q = d each;
+    - draws without replacement (RSD): the i-th sibling's q is d with the siblings before
+      it zeroed, renormalised (drafters.treedraft.without_replacement). A rejected x has
+      p'(x) < q(x), so its residual has p'(x) = 0: nothing is lost by never drawing x
+      again, and a sibling judged against d instead of its own q would be accepted too
+      often (tested: the check rejects that);
+    - guesses, not draws (prompt lookup, top-k): point masses, q = onehot(x); a
+      rejection then removes x from p'.
+    Duplicate siblings waste a node but stay exact (a second x meets p'(x) = 0).
+
+    p (g+1, V): the target's distributions at the pass rows; q (g, V); draft_tokens (g,);
+    parent_rows (g,): each node's parent's pass row; ranks (K, g): one-hot of each node's
+    place among its siblings (tree.ranks; K the most children of any row); ancestors and
+    depths as accept_tree's. Every row's siblings are tried rank by rank at once, so the
+    loop runs K times whatever the tree's size, and nothing leaves the device.
+    """
+    g = draft_tokens.shape[0]
+    accept_key, residual_key = mx.random.split(key)
+    # u < p'/q written as u*q < p': no division, and p' = 0 never accepts (as accept_reject)
+    u = mx.random.uniform(shape=(g,), key=accept_key)
+    q_d = q[mx.arange(g), draft_tokens]
+    # (g+1, g): 1 where node j is row r's child. The logical ops are mx functions, not
+    # operators: MLX 0.32's vmap (the tests' batches) mishandles bitwise ops on booleans.
+    child_of = (mx.arange(g + 1)[:, None] == parent_rows[None, :]).astype(mx.float32)
+    residual, chosen = p, mx.zeros((g,), mx.float32)
+    taken = mx.zeros((g + 1,), mx.float32)  # rows where a child has passed
+    for rank in range(ranks.shape[0]):
+        at = child_of * ranks[rank][None, :]  # row -> its child of this rank
+        tried = mx.logical_and(ranks[rank] > 0, taken[parent_rows] == 0)
+        passes = mx.logical_and(tried, u * q_d < residual[parent_rows, draft_tokens])
+        chosen = mx.maximum(chosen, passes.astype(mx.float32))
+        taken = mx.maximum(taken, at @ passes.astype(mx.float32))
+        residual = _after_rejection(residual, at @ q, mx.sum(at, axis=1) > 0)
+    passed = (ancestors @ (1 - chosen)) == 0
+    score = mx.where(passed, depths, 0)
+    n = mx.max(score)
+    row = mx.where(n > 0, mx.argmax(score) + 1, 0)
+    return n, sample(residual[row], residual_key), row
+
+
+def _after_rejection(residual: mx.array, q: mx.array, rows: mx.array) -> mx.array:
+    """norm(max(0, p' - q)) at `rows` (those that had a child of this rank), p' elsewhere;
+    where the residual has no mass (float underflow: a rejection implies mass), p'."""
+    left = mx.maximum(residual - q, 0.0)
+    mass = mx.sum(left, axis=-1, keepdims=True)
+    return mx.where(mx.logical_and(rows[:, None], mass > 0), left / mass, residual)
+
+
 @lru_cache(maxsize=16)
 def make_tree_verifier(params: SamplingParams, vocab_size: int):
-    """Compiled: (logits (g+1, V'), drafts, parent_rows, ancestors, depths, row keys) ->
-    accept_tree's (n, token, row), over the first `vocab_size` logits of each row, the
-    target's token at a row being its argmax (greedy) or its coupled draw with the key
-    of the row's position (row keys (g+1, 2))."""
+    """Compiled: (logits (g+1, V'), q (g, V) or None, drafts, parent_rows, ranks,
+    ancestors, depths, key) -> (n, token, row, p) over the first `vocab_size` logits of
+    each row. Greedy and coupled: accept_tree, the target's token at a row being its
+    argmax or its coupled draw with the key of the row's position (`key`: row keys
+    (g+1, 2)); q and ranks are not needed, and greedy p is None. Rejection sampling:
+    accept_tree_reject, with one key."""
     if params.greedy:
 
-        def chosen(logits, keys):
-            return argmax(logits, vocab_size)
-    else:
+        def greedy(logits, drafts, parent_rows, ancestors, depths):
+            chosen = argmax(logits, vocab_size)
+            return accept_tree(chosen, drafts, parent_rows, ancestors, depths)
 
-        def chosen(logits, keys):
-            return own_draws(probabilities(logits[:, :vocab_size], params), keys)
+        judge = mx.compile(greedy)
+        return lambda logits, q, d, rows, ranks, anc, depths, key: (
+            *judge(logits, d, rows, anc, depths),
+            None,
+        )
+    if params.coupled:
 
-    def judge(logits, drafts, parent_rows, ancestors, depths, keys):
-        return accept_tree(chosen(logits, keys), drafts, parent_rows, ancestors, depths)
+        def coupled(logits, drafts, parent_rows, ancestors, depths, keys):
+            p = probabilities(logits[:, :vocab_size], params)
+            return (*accept_tree(own_draws(p, keys), drafts, parent_rows, ancestors, depths), p)
 
-    return mx.compile(judge)
+        judge = mx.compile(coupled)
+        return lambda logits, q, d, rows, ranks, anc, depths, keys: judge(
+            logits, d, rows, anc, depths, keys
+        )
+
+    def rejection(logits, q, drafts, parent_rows, ranks, ancestors, depths, key):
+        p = probabilities(logits[:, :vocab_size], params)
+        return (*accept_tree_reject(p, q, drafts, parent_rows, ranks, ancestors, depths, key), p)
+
+    return mx.compile(rejection)
