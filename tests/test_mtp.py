@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import mlx.core as mx
 import pytest
@@ -230,3 +232,15 @@ def test_the_converted_model_itself_is_what_mlx_lms_convert_writes(built, tmp_pa
     config = json.loads((tmp_path / "ours" / "config.json").read_text())
     reference = json.loads((tmp_path / "theirs" / "config.json").read_text())
     assert config["quantization"] == reference["quantization"]
+
+
+def test_generate_drafts_with_the_mtp_layer_by_default_and_says_so(converted):
+    def generate(*extra: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "specmlx", "generate", "-m", str(converted)]
+        command += ["-p", "def", "-n", "8", *extra]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+    done, plain = generate(), generate("--no-draft")
+    assert done.returncode == 0, done.stderr
+    assert f"the MTP layers in {converted.name}'s checkpoint" in done.stderr
+    assert "MTP" not in plain.stderr and plain.stdout == done.stdout

@@ -139,12 +139,18 @@ def load_pair(
 
 def load_head(target, draft: str | None, log):
     """The head `--draft` names (a head directory, an EAGLE-3 checkpoint, or mtp), said in
-    one line; None where it names a draft model, or nothing."""
+    one line; with no --draft, the MTP layer the target's checkpoint ships, where it has
+    one (a drafter that costs no second model); None where it names a draft model, or
+    there is none."""
     from .. import heads
     from ..loading import resolve_path
 
     if draft is None:
-        return None
+        from ..heads.mtp import has_mtp
+
+        if not has_mtp(target.path):
+            return None
+        draft = heads.MTP
     if draft == heads.MTP:
         from ..heads import mtp
 

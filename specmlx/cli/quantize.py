@@ -78,3 +78,7 @@ def quantize(
     console.print(Text.assemble((f"wrote {summary.out}", "green"), written))
     if summary.unquantized:
         console.print(f"left unquantized: {', '.join(summary.unquantized)}", markup=False)
+    from ..heads.mtp import MTP_FILE
+
+    if (summary.out / MTP_FILE).is_file():
+        console.print(f"kept its MTP layer ({MTP_FILE}): generate drafts with it unless --draft")
