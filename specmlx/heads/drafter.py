@@ -53,7 +53,8 @@ class HeadDrafter:
 
     @property
     def behind(self) -> int:
-        """Rows it must take before it drafts from the last (a call's prompt)."""
+        """Rows it must take before it drafts from the last: what the text gained while
+        it sat out (it took the prompt's at the start)."""
         return max(0, len(self.tokens) - 1)
 
     def available(self, g: int) -> int:
@@ -71,17 +72,17 @@ class HeadDrafter:
         if features is not None and n > 1 and features.rows >= n - 1:
             self.waiting = [features.read(rows, n - 1)]
             self.tokens = context[rows + 1 :]
+            # The prompt's rows now, with the target's prefill: one layer over them costs
+            # a small share of the target's passes over them, and a head that is never
+            # behind is priced by the policy on its draft pass alone.
+            if len(self.tokens) > 1:
+                self._feed(len(self.tokens) - 1)
 
     def interrupted(self) -> None:
         """Its cache trims exactly: the next start aligns it."""
 
     def propose(self, g: int, keys: mx.array, draw: Draw, go_on: GoOn | None = None) -> Proposal:
-        start = time.perf_counter()
         self.proposals += 1
-        if len(self.tokens) > PREFILL_STEP:  # the prompt's rows: in bounded chunks first
-            self._feed(len(self.tokens) - 1)
-            mx.eval(self.cache[0].state)
-        prompt_s = time.perf_counter() - start
         features = mx.concatenate(self.waiting) if len(self.waiting) > 1 else self.waiting[0]
         x = mx.array(self.tokens, mx.uint32)
         self.text += self.tokens
@@ -101,9 +102,7 @@ class HeadDrafter:
                     break
             x = token
         q = None if qs[0] is None else mx.concatenate(qs)
-        return Proposal(
-            mx.concatenate(tokens), q, None, 0, self.proposals == 1, prompt_s, tops=tops
-        )
+        return Proposal(mx.concatenate(tokens), q, None, 0, self.proposals == 1, tops=tops)
 
     def step(self, x: mx.array, features: mx.array, key: mx.array, draw: Draw) -> tuple:
         """One head pass over tokens x (L,) and their rows' features (L, F), lazily:
@@ -145,7 +144,7 @@ class HeadDrafter:
         tokens = self.tokens[:n]
         for at in range(0, n, PREFILL_STEP):
             x = mx.array(tokens[at : at + PREFILL_STEP], mx.uint32)
-            rows = features[at : at + PREFILL_STEP]
+            rows = features[at : at + x.size]
             self.head.module(self.head.embed(x[None]), rows[None], self.cache[0])
             mx.eval(self.cache[0].state)
         self.text += tokens
