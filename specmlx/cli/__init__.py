@@ -68,7 +68,7 @@ def _root(
 
 
 # One module per command; each registers itself on `app` when imported.
-COMMANDS = ("bench", "chat", "generate", "models", "quantize", "serve")
+COMMANDS = ("bench", "chat", "generate", "head", "models", "quantize", "serve")
 
 
 def _register(argv: list[str]) -> None:
