@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 
 import typer
@@ -39,6 +40,15 @@ def serve(
     cache_gb: float = typer.Option(
         4.0, "--cache-gb", help="Memory for the KV caches kept between requests, in GiB."
     ),
+    strict_model: bool = typer.Option(
+        False,
+        "--strict-model",
+        help="Answer only requests that name this model (by default any name is served as "
+        "it, and noted in the log).",
+    ),
+    max_body_mb: float = typer.Option(
+        4.0, "--max-body-mb", help="Largest request body, in MiB (larger ones get a 413)."
+    ),
 ) -> None:
     """Serve the model pair over an OpenAI-compatible HTTP API (chat and completions).
 
@@ -48,6 +58,8 @@ def serve(
     num_draft = options.check_settings(max_tokens, 0.0, 1.0, 0, gamma, draft_mode, sampling)
     if cache_gb < 0:
         raise SpecmlxError(f"--cache-gb must be >= 0, got {cache_gb}")
+    if not max_body_mb > 0:
+        raise SpecmlxError(f"--max-body-mb must be > 0, got {max_body_mb}")
     err = Console(stderr=True, soft_wrap=True, highlight=False)
 
     def log(msg: str) -> None:
@@ -80,7 +92,15 @@ def serve(
         api_key=api_key,
         cache_bytes=int(cache_gb * (1 << 30)),
         defaults=Defaults(max_tokens, num_draft, draft_mode, sampling),
+        strict_model=strict_model,
+        max_body_bytes=int(max_body_mb * (1 << 20)),
     )
+    # One line per request (specmlx.server's), on stderr beside the startup lines.
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    server_log = logging.getLogger("specmlx.server")
+    server_log.addHandler(handler)
+    server_log.setLevel(logging.INFO)
     config = uvicorn.Config(server_app, log_level="warning", timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[listener])
 

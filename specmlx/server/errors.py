@@ -1,11 +1,14 @@
 """Errors in OpenAI's shape, so that clients written for it report them as they would its own.
 
 Every failure a request can cause becomes one of these, with the status an OpenAI client
-maps to its exception classes: 400 bad request, 401 key, 404 model or route. Anything
+maps to its exception classes: 400 bad request, 401 key, 404 model or route, 413 body
+too large. Anything
 else is a bug: a 500 with the same shape, and the server keeps serving.
 """
 
 from __future__ import annotations
+
+import logging
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -34,6 +37,7 @@ def error_response(error: APIError) -> JSONResponse:
 
 async def on_api_error(request: Request, error: Exception) -> JSONResponse:
     assert isinstance(error, APIError)
+    request.state.error = error.message  # for the request's log line
     return error_response(error)
 
 
@@ -46,6 +50,7 @@ async def on_http_error(request: Request, error: Exception) -> JSONResponse:
 
 async def on_bug(request: Request, error: Exception) -> JSONResponse:
     message = f"internal error: {type(error).__name__}: {error}"
+    logging.getLogger("specmlx.server").error(message, exc_info=error)
     return JSONResponse(error_body(500, message), status_code=500)
 
 

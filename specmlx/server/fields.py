@@ -1,13 +1,18 @@
 """A request body read into what a generation needs, every field checked.
 
-Fields this server does not implement (logit_bias, penalties, tools...) are ignored, as
-OpenAI clients send some of them by default; those it implements are refused with a 400
-that names the field when they are of the wrong type or out of range.
+Every field of OpenAI's chat and completions request bodies is named here, and none is
+silently dropped: each is implemented (and refused with a 400 naming it when it is of
+the wrong type or out of range), or accepted only at the value that asks for nothing
+(the *_UNSUPPORTED tables: a penalty of 0, logprobs false...) and refused at any other, or, for
+the few that ask nothing of the reply (user, metadata, prompt_cache_key...), checked
+and accepted. A field OpenAI does not define, nor specmlx (top_k, num_draft,
+draft_mode, sampling), is refused as unknown.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import SpecmlxError
@@ -31,7 +36,9 @@ class Asked:
     """One completion request, checked."""
 
     model: str
-    messages: list[dict] | None  # chat: [{"role", "content"}], content as plain text
+    # chat: {"role", "content"} with content as plain text, and where given name,
+    # tool_calls (arguments as JSON values), tool_call_id, reasoning_content
+    messages: list[dict] | None
     prompt: str | list[int] | None  # completions: text, or token ids as they are
     max_tokens: int
     temperature: float
@@ -44,6 +51,8 @@ class Asked:
     num_draft: int | str
     draft_mode: str | None
     sampling: str | None = None
+    tools: list[dict] | None = None  # None: no tools, or tool_choice "none"
+    parallel_tool_calls: bool = True
 
     def settings(self, max_tokens: int, seed: int) -> dict:
         """generate()'s keyword arguments (max_tokens as the context leaves room for)."""
@@ -59,24 +68,147 @@ class Asked:
         }
 
 
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# Constrained decoding and the target's distribution per token need the sampler's hooks
+# (a token mask, penalties and biases applied to p and q; the processed p of each emitted
+# token), which the engine does not have yet: until it does, these say so.
+NEEDS_MASK = "needs constrained decoding, which this server does not have yet"
+NEEDS_P = "needs the target's distribution per token, which the engine does not expose yet"
+NEEDS_PROCESSOR = "needs a logits processor in the sampler, which the engine does not have yet"
+# Each is accepted at its neutral value (or left out, or null) and refused at any other:
+# field: (whether a value is neutral, why any other is refused).
+Neutral = dict[str, tuple[Callable[[object], bool], str]]
+PENALTIES: Neutral = {
+    "presence_penalty": (lambda v: _number(v) and v == 0, f"other than 0 {NEEDS_PROCESSOR}"),
+    "frequency_penalty": (lambda v: _number(v) and v == 0, f"other than 0 {NEEDS_PROCESSOR}"),
+    "logit_bias": (lambda v: v == {}, f"other than {{}} {NEEDS_PROCESSOR}"),
+}
+CHAT_UNSUPPORTED: Neutral = PENALTIES | {
+    "response_format": (
+        lambda v: v == {"type": "text"},
+        f"other than {{'type': 'text'}} (json_object, json_schema) {NEEDS_MASK}",
+    ),
+    "logprobs": (lambda v: v is False, f"true {NEEDS_P}"),
+    "top_logprobs": (lambda v: _is_int(v) and v == 0, f"other than 0 {NEEDS_P}"),
+    "store": (lambda v: v is False, "true is not supported: completions are not stored"),
+    "service_tier": (lambda v: v in ("auto", "default"), "has one tier here: 'auto' or 'default'"),
+    "modalities": (lambda v: v == ["text"], "other than ['text'] is not supported"),
+    "audio": (lambda v: False, "(audio output) is not supported"),
+    "prediction": (lambda v: False, "(predicted outputs) is not supported yet"),
+    "reasoning_effort": (lambda v: False, "is not supported: the chat template decides"),
+    "verbosity": (lambda v: False, "is not supported"),
+    "web_search_options": (lambda v: False, "is not supported: this server has no web search"),
+    "functions": (lambda v: False, "(deprecated by OpenAI) is not supported: send tools"),
+    "function_call": (lambda v: False, "(deprecated by OpenAI) is not supported: send tool_choice"),
+}
+TEXT_UNSUPPORTED: Neutral = PENALTIES | {
+    # an integer here, and 0 still asks for the chosen tokens' logprobs
+    "logprobs": (lambda v: False, NEEDS_P),
+    "best_of": (lambda v: v == 1, "other than 1 is not supported (one candidate per request)"),
+    "echo": (lambda v: v is False, "true is not supported"),
+    "suffix": (lambda v: v == "", "is not supported (no insertion): leave it out"),
+}
+# Fields that ask nothing of the reply (OpenAI's bookkeeping, abuse monitoring and cache
+# routing), checked and accepted: field: (its type, in words).
+CHAT_INFORMATIONAL = {
+    "user": (str, "a string"),
+    "metadata": (dict, "an object"),
+    "safety_identifier": (str, "a string"),
+    "prompt_cache_key": (str, "a string"),
+    "prompt_cache_retention": (str, "a string"),
+}
+TEXT_INFORMATIONAL = {"user": (str, "a string")}
+# Fields read in parse(), besides the tables above: OpenAI's own and specmlx's.
+READ = {"model", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed"}
+READ |= {"stop", "stream", "stream_options", "top_k", "num_draft", "draft_mode", "sampling"}
+CHAT_FIELDS = READ | {"messages", "tools", "tool_choice", "parallel_tool_calls"}
+CHAT_FIELDS |= set(CHAT_UNSUPPORTED) | set(CHAT_INFORMATIONAL)
+TEXT_FIELDS = READ | {"prompt"} | set(TEXT_UNSUPPORTED) | set(TEXT_INFORMATIONAL)
+# A message's keys: those passed to the chat template, and those refused unless null.
+MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
+MESSAGE_REFUSED = {
+    "refusal": "an assistant's refusal is not passed to the chat template: send it as content",
+    "audio": "audio is not supported",
+    "function_call": "function_call (deprecated by OpenAI) is not supported: send tool_calls",
+}
+
+
+# How deep a body may nest: far deeper than any request needs (OpenAI holds a strict
+# schema to 5 levels), and shallow enough that the code that walks it recursively (the
+# chat template's tojson, the placeholders in prompts.py) never meets Python's limit.
+MAX_DEPTH = 100
+
+
 def read_json(raw: bytes) -> dict:
+    """The body as a JSON object; a 400 for anything else, however malformed (a lone
+    surrogate, nesting deeper than MAX_DEPTH or than the parser's recursion, NaN) and
+    never a 500."""
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError(400, f"the request body nests deeper than {MAX_DEPTH} levels") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    check_values(body)
     return body
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def check_values(body: dict) -> None:
+    r"""A 400 for a body nested deeper than MAX_DEPTH, or holding a lone surrogate (JSON's
+    "\ud800" escape parses into a str that no text encoding can write: the tokenizer, the
+    template or the reply would fail on it)."""
+    stack: list = [(body, 1)]
+    while stack:  # iterative: a body may nest as deep as the parser allows
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > MAX_DEPTH:
+                raise APIError(400, f"the request body nests deeper than {MAX_DEPTH} levels")
+            items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+            stack.extend((item, depth + 1) for item in items)
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError(
+                    400, "the request body is not valid JSON: a lone surrogate in a string"
+                ) from None
 
 
 def parse(body: dict, chat: bool, defaults: Defaults) -> Asked:
     """The request, or an APIError(400) naming the first field that is wrong."""
+    known = CHAT_FIELDS if chat else TEXT_FIELDS
+    for name in body:
+        if name not in known:
+            where = "chat completions" if chat else "completions"
+            raise APIError(400, f"unknown field {name!r} for {where}", param=name)
+    for name, (neutral, why) in (CHAT_UNSUPPORTED if chat else TEXT_UNSUPPORTED).items():
+        value = body.get(name)
+        if value is not None and not neutral(value):
+            raise APIError(400, f"{name} {why} (got {_short(value)})", param=name)
+    for name, (kind, what) in (CHAT_INFORMATIONAL if chat else TEXT_INFORMATIONAL).items():
+        _get(body, name, kind, what)
     model = _get(body, "model", str, "a string")
     if model is None:
         raise APIError(400, "model is required (GET /v1/models lists it)", param="model")
-    messages = prompt = None
+    messages = prompt = tools = None
+    parallel = True
     if chat:
         messages = _messages(body.get("messages"))
+        tools = _tools(body.get("tools"), body.get("tool_choice"))
+        parallel = _get(body, "parallel_tool_calls", bool, "true or false", True)
     else:
         prompt = _prompt(body.get("prompt"))
     n = _get(body, "n", int, "an integer", 1)
@@ -90,8 +222,7 @@ def parse(body: dict, chat: bool, defaults: Defaults) -> Asked:
     top_k = _get(body, "top_k", int, "an integer", 0)
     seed = _get(body, "seed", int, "an integer")
     stream = _get(body, "stream", bool, "true or false", False)
-    options = _get(body, "stream_options", dict, "an object", {})
-    include_usage = _get(options, "include_usage", bool, "true or false", False)
+    include_usage = _stream_options(_get(body, "stream_options", dict, "an object", {}))
     num_draft = _get(body, "num_draft", (int, str), "an integer or 'auto'", defaults.num_draft)
     draft_mode = _get(body, "draft_mode", str, "a string", defaults.draft_mode)
     sampling = _get(body, "sampling", str, "a string", defaults.sampling)
@@ -120,19 +251,82 @@ def parse(body: dict, chat: bool, defaults: Defaults) -> Asked:
         num_draft=num_draft,
         draft_mode=draft_mode,
         sampling=sampling,
+        tools=tools,
+        parallel_tool_calls=parallel,
     )
 
 
-def _get(body: dict, name: str, kinds, what: str, default=None):
-    """body[name] if it has one of `kinds` (null counts as absent), else a 400."""
+def _short(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _get(body: dict, name: str, kinds, what: str, default=None, where: str = ""):
+    """body[name] if it has one of `kinds` (null counts as absent), else a 400 naming
+    `where` + name."""
     value = body.get(name)
     if value is None:
         return default
     kinds = kinds if isinstance(kinds, tuple) else (kinds,)
     # JSON true is a Python bool, which is an int: accept it only where a bool is meant.
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        raise APIError(400, f"{name} must be {what}, got {json.dumps(value)}", param=name)
+        param = where + name
+        raise APIError(400, f"{param} must be {what}, got {_short(value)}", param=param)
     return value
+
+
+def _stream_options(options: dict) -> bool:
+    """include_usage; obfuscation (padding against a length side channel) is never added."""
+    for name in options:
+        if name not in ("include_usage", "include_obfuscation"):
+            param = f"stream_options.{name}"
+            raise APIError(400, f"unknown field {param!r}", param=param)
+    if _get(options, "include_obfuscation", bool, "true or false", False, "stream_options."):
+        param = "stream_options.include_obfuscation"
+        raise APIError(400, f"{param} true is not supported (no obfuscation)", param=param)
+    return _get(options, "include_usage", bool, "true or false", False, "stream_options.")
+
+
+def _tools(tools, choice) -> list[dict] | None:
+    """The function tools to render, or None where there are none or tool_choice is
+    "none" (the model is then not shown them, and its reply is never parsed for calls).
+    A choice that forces a call, or limits the tools, needs constrained decoding: it is
+    refused until there is one."""
+    if choice not in (None, "auto", "none"):
+        if choice == "required" or isinstance(choice, dict):
+            raise APIError(
+                400,
+                f"tool_choice {_short(choice)} {NEEDS_MASK} (it forces a call or limits the "
+                "tools): send 'auto' or 'none'",
+                param="tool_choice",
+            )
+        raise APIError(400, "tool_choice must be 'none', 'auto' or 'required'", "tool_choice")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise APIError(400, "tools must be a list of tools", param="tools")
+    for i, tool in enumerate(tools):
+        _tool(tool, f"tools[{i}]")
+    return tools if tools and choice != "none" else None
+
+
+def _tool(tool, where: str) -> None:
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        raise APIError(400, f"{where} must be a function tool ({{'type': 'function', ...}})", where)
+    for key in tool:
+        if key not in ("type", "function"):
+            raise APIError(400, f"unknown field '{where}.{key}'", param=f"{where}.{key}")
+    function = tool.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise APIError(400, f"{where}.function must be an object with a name", where)
+    at = f"{where}.function."
+    for key in function:
+        if key not in ("name", "description", "parameters", "strict"):
+            raise APIError(400, f"unknown field '{at}{key}'", param=at + key)
+    _get(function, "description", str, "a string", where=at)
+    _get(function, "parameters", dict, "an object", where=at)
+    if _get(function, "strict", bool, "true or false", False, at):
+        raise APIError(400, f"{at}strict true {NEEDS_MASK}: send false", param=at + "strict")
 
 
 def _messages(messages) -> list[dict]:
@@ -143,7 +337,22 @@ def _messages(messages) -> list[dict]:
         where = f"messages[{i}]"
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise APIError(400, f"{where} must be an object with a role", param=where)
-        out.append({"role": message["role"], "content": _content(message.get("content"), where)})
+        if message["role"] == "function":
+            raise APIError(
+                400, f"{where}: the role 'function' (deprecated by OpenAI) is 'tool' now", where
+            )
+        for key, value in message.items():
+            if key in MESSAGE_REFUSED and value is not None:
+                raise APIError(400, f"{where}.{key}: {MESSAGE_REFUSED[key]}", f"{where}.{key}")
+            if key not in MESSAGE_KEYS and key not in MESSAGE_REFUSED:
+                raise APIError(400, f"unknown field '{where}.{key}'", param=f"{where}.{key}")
+        kept = {"role": message["role"], "content": _content(message.get("content"), where)}
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if _get(message, key, str, "a string", where=f"{where}.") is not None:
+                kept[key] = message[key]
+        if message.get("tool_calls") is not None:
+            kept["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}.tool_calls")
+        out.append(kept)
     return out
 
 
@@ -162,6 +371,33 @@ def _content(content, where: str) -> str:
     )
 
 
+def _tool_calls(calls, where: str) -> list[dict]:
+    """An assistant's earlier calls, as chat templates read them: arguments as a JSON value
+    (OpenAI sends them as a JSON string; templates write them out with tojson)."""
+    if not isinstance(calls, list):
+        raise APIError(400, f"{where} must be a list of tool calls", param=where)
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise APIError(400, f"{at} must be a function call with a name", param=at)
+        if call.get("type", "function") != "function":
+            raise APIError(400, f"{at}.type must be 'function'", param=f"{at}.type")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except (json.JSONDecodeError, RecursionError):
+                param = f"{at}.function.arguments"
+                raise APIError(400, f"{param} must be a JSON text", param=param) from None
+        kept = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+        if _get(call, "id", str, "a string", where=f"{at}.") is not None:
+            kept["id"] = call["id"]
+        out.append(kept)
+    return out
+
+
 def _prompt(prompt) -> str | list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -172,10 +408,6 @@ def _prompt(prompt) -> str | list[int]:
     raise APIError(
         400, "prompt must be a string or a non-empty list of token ids (one prompt)", "prompt"
     )
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _stops(stop) -> list[str]:

@@ -3,8 +3,8 @@
 A single thread makes every model call, so the models and the Session pool are never
 touched concurrently and the event loop stays free for other requests (and /health)
 while a reply decodes. A request submits a Job and awaits its text; a Job whose client
-has gone is cancelled, and the thread closes its Generation before the next round, so
-the Session's caches hold only what was emitted.
+has gone is cancelled, and the thread stops it before the next round (or the next
+prefill chunk), so the Session's caches hold only what was emitted.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -27,11 +28,20 @@ class Finished:
     finish_reason: str  # OpenAI's: "stop" (EOS or a stop string) or "length"
     stats: Stats
     cut: bool  # a stop string cut the text short of what `tokens` decode to
+    # From the request's arrival (Job.arrived): the client's wait, the queue's included,
+    # where Stats.ttft counts from the decode's start. (No token: the reply's end.)
+    ttft_s: float
+    queue_s: float  # arrival to the decode's start: other requests', prompt preparation
+
+
+class Gone(Exception):
+    """Raised inside a prefill whose client has gone, to stop it between chunks."""
 
 
 class Job:
-    def __init__(self, ids: list[int], settings: dict, stops: list[str]):
-        self.ids, self.settings, self.stops = ids, settings, stops
+    def __init__(self, ids: list[int], settings: dict, stops: list[str], arrived: float):
+        """arrived: time.perf_counter() when the request came in."""
+        self.ids, self.settings, self.stops, self.arrived = ids, settings, stops, arrived
         self.cancelled = threading.Event()
         self.finished: Finished | None = None
         self._loop = asyncio.get_running_loop()
@@ -83,9 +93,9 @@ class Worker:
         self._jobs.put(None)
         self._thread.join()
 
-    def submit(self, ids: list[int], settings: dict, stops: list[str]) -> Job:
+    def submit(self, ids: list[int], settings: dict, stops: list[str], arrived: float) -> Job:
         """Queue a decode; call from the event loop."""
-        job = Job(ids, settings, stops)
+        job = Job(ids, settings, stops, arrived)
         self._jobs.put(job)
         return job
 
@@ -98,6 +108,8 @@ class Worker:
                 continue
             try:
                 done = decode(job, self.pool)
+            except Gone:  # its client left during the prefill: nobody to tell
+                continue
             except Exception as e:  # the request's error, never the thread's end
                 job.emit("error", e)
                 continue
@@ -107,9 +119,22 @@ class Worker:
 
 def decode(job: Job, pool: SessionPool) -> Finished:
     """Run one Job on the Session that holds the longest prefix of its prompt."""
+    started, first = time.perf_counter(), None
+
+    def prefilled(done: int, total: int) -> None:
+        if job.cancelled.is_set():
+            raise Gone  # generate() leaves the caches for the next call to prefill anew
+
     session = pool.take(job.ids)
     try:
-        gen = generate(session.model, job.ids, draft=session.draft, session=session, **job.settings)
+        gen = generate(
+            session.model,
+            job.ids,
+            draft=session.draft,
+            session=session,
+            on_prefill=prefilled,
+            **job.settings,
+        )
         stop = StopText(job.stops)
         pieces, shown, cut = [], 0, False
 
@@ -120,6 +145,7 @@ def decode(job: Job, pool: SessionPool) -> Finished:
 
         try:
             for step in gen:
+                first = first or time.perf_counter()
                 shown += len(step.text)
                 text, cut = stop.add(step.text)
                 send(text)
@@ -135,4 +161,7 @@ def decode(job: Job, pool: SessionPool) -> Finished:
         pool.give_back(session)
     stats = gen.stats
     reason = "stop" if cut or stats.finish_reason == "eos" else "length"
-    return Finished("".join(pieces), list(gen.tokens), reason, stats, cut)
+    ttft = (first or time.perf_counter()) - job.arrived
+    return Finished(
+        "".join(pieces), list(gen.tokens), reason, stats, cut, ttft, started - job.arrived
+    )
