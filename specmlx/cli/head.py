@@ -3,7 +3,6 @@ specmlx.heads.train's; this draws its progress and says what came of it)."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -81,13 +80,14 @@ def train(
     """Train a feature head for TARGET on its own features (self-distillation)."""
     from ..cpu import blas
 
-    # Before anything imports mlx: the training's float32 matmuls run on the BLAS that
-    # libmlx binds when it loads (specmlx/cpu/blas.py); in-process only, never a re-exec.
-    if (ctx.parent.params if ctx.parent else {}).get("no_fast_blas"):
-        os.environ[blas.ENV_FAST] = "0"
-    why_slow = blas.activate()
+    # The training's float32 matmuls run on the BLAS that libmlx binds when it loads
+    # (specmlx/cpu/blas.py): in-process where it loads there, else by re-executing once
+    # with it preloaded (a wheel's OpenBLAS that needs a libgfortran the system lacks):
+    # MLX's bundled reference BLAS is tens of times slower.
+    blas.setup_cli(bool((ctx.parent.params if ctx.parent else {}).get("no_fast_blas")))
+    why_slow = blas.blas_info().get("why_not_fast", "")
 
-    from ..convert.quantize import check_writable
+    from ..convert.output import check_writable
     from ..heads import corpus, what_is
     from ..heads import train as training
 

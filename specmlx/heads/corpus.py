@@ -10,6 +10,7 @@ import codecs
 import glob
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -250,7 +251,14 @@ def text_tokens(target: Model, path: Path, wanted: int) -> tuple[list[int], bool
         text = codecs.getincrementaldecoder("utf-8")().decode(data[:limit], final=not cut)
     except UnicodeDecodeError:  # text at its start, not further on: read what decodes
         text = data[:limit].decode("utf-8", errors="ignore")
-    return target.tokenizer.encode(text, add_special_tokens=False), cut
+    # transformers warns of a text longer than the model's context: it is cut into
+    # sequences, so that warning would only be noise
+    quiet = logging.getLogger("transformers")
+    level, quiet.level = quiet.level, logging.ERROR
+    try:
+        return target.tokenizer.encode(text, add_special_tokens=False), cut
+    finally:
+        quiet.setLevel(level)
 
 
 def answer(target: Model, turns: list[str]) -> list[int]:

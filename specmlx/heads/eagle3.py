@@ -38,8 +38,7 @@ from ..errors import SpecmlxError
 from ..loading import Model
 from ..safetensors import read_header
 from .feature import text_args
-from .head import Head
-from .store import ready
+from .head import Head, ready
 
 WEIGHTS = "model.safetensors"  # the quantized copy's one file
 MAPPING = ("d2t", "t2d")  # buffers, not parameters of the module
@@ -73,7 +72,7 @@ class Midlayer(nn.Module):
 class Eagle3(nn.Module):
     """The Head module: (embedded, features, cache) -> (midlayer output, what lm_head
     reads). Features 3 D wide (the target's) go through fc first; D wide (its own) not.
-    `lm_head` is Head.rows, kept here so that one store.ready puts it in the target's form
+    `lm_head` is Head.rows, kept here so that one head.ready puts it in the target's form
     too."""
 
     def __init__(self, config: dict, rows: int):
@@ -247,7 +246,8 @@ def quantize_eagle3(src: Path, out: Path, group_size: int = 64, bits: int = 4) -
     """Write an INT`bits` copy of the EAGLE-3 checkpoint in `src` to `out`, atomically, in
     MLX's format (.scales/.biases beside each linear layer's packed weight, config.json's
     "quantization"); d2t, t2d and the norms as they were, a shipped embedding left out."""
-    from ..convert.quantize import atomic_directory, check_output, check_settings, check_writable
+    from ..convert.output import atomic_directory, check_output, check_writable
+    from ..convert.quantize import check_settings
 
     check_settings(bits, group_size, bits, None)
     check_output(out, src, force=True)

@@ -12,7 +12,7 @@ Qwen3-Next's `mtp.*` and DeepSeek-V3's NextN layers share, so one class reads al
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -53,12 +53,24 @@ def attention_layer(target: Model) -> nn.Module:
     cache must not): the first such layer of a few-layer model built from its args."""
     inner, args = text_args(target)
     for n in range(1, 9):
-        module = type(inner)(replace(args, num_hidden_layers=n))
+        module = type(inner)(fewer_layers(args, n))
         for i, c in enumerate(make_prompt_cache(module)):
             if type(c) is KVCache:
                 return module.model.layers[i]
     arch = target.config.get("model_type", "this architecture")
     raise ValueError(f"{arch} has no full-attention layer in its first 8 for a head")
+
+
+def fewer_layers(args, n: int):
+    """The args of the same model with its first n layers: per-layer lists (SmolLM3's
+    `no_rope_layers`, layer types) cut to them as well."""
+    layers = args.num_hidden_layers
+    cut = {
+        f.name: getattr(args, f.name)[:n]
+        for f in fields(args)
+        if isinstance(getattr(args, f.name), list | tuple) and len(getattr(args, f.name)) == layers
+    }
+    return replace(args, num_hidden_layers=n, **cut)
 
 
 def new_head(target: Model, seed: int = 0) -> FeatureHead:

@@ -11,7 +11,7 @@ import mlx.nn as nn
 
 from ..drafters.subvocab import draft_size, sub_head, sub_vocab
 from ..lm_head import head_layer
-from ..loading import Model
+from ..loading import Model, backend, cast_floating
 
 
 @dataclass
@@ -70,3 +70,27 @@ def target_rows(target: Model) -> tuple[nn.Module, bool, mx.array | None]:
         return layer, tied, None
     cut = sub_head(target, sub_vocab(target, size), target.vocab_size)
     return cut.rows, cut.tied, cut.ids
+
+
+def ready(module: nn.Module, target: Model) -> None:
+    """Put a head in the target's form: its linear layers in INT4 where the target keeps
+    INT4, else cast to the target's dtype; on the CPU, prepared as the target was."""
+    quantization = target.quantization
+    if quantization and target.weights != "fp32":
+        size, bits = quantization["group_size"], quantization["bits"]
+        nn.quantize(
+            module,
+            group_size=size,
+            bits=bits,
+            class_predicate=lambda _, m: (
+                isinstance(m, nn.Linear) and m.weight.shape[-1] % size == 0
+            ),
+        )
+    cast_floating(module, target.dtype)
+    module.eval()
+    if backend() == "cpu":
+        from .. import cpu
+
+        # A draft pass need not give the bits a one-token pass gives: verify judges it.
+        cpu.prepare(module, "auto", "cpu", passes_exact=lambda _: True)
+    mx.eval(module.parameters())

@@ -47,8 +47,7 @@ from ..loading import Model
 from ..mlxlm import MODEL_REMAPPING
 from ..safetensors import read_header
 from .feature import FeatureHead
-from .head import Head, target_rows
-from .store import ready
+from .head import Head, ready, target_rows
 
 MTP_FILE = "mtp.safetensors"  # where `specmlx quantize` keeps them
 LAYER_0 = "model.layers.0."  # what the layer's keys are renamed to for the target's sanitize
@@ -303,7 +302,7 @@ def build(model: nn.Module, config: dict, weights: dict[str, mx.array], where: s
 
 
 def load_mtp(target: Model) -> Head:
-    """The MTP head `target`'s own checkpoint ships, in the target's form (store.ready),
+    """The MTP head `target`'s own checkpoint ships, in the target's form (head.ready),
     drafting into the target's own output head; refused in one line where it has none,
     or an incomplete one."""
     start = time.perf_counter()

@@ -19,10 +19,10 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..errors import SpecmlxError
-from ..loading import Model, backend, cast_floating
+from ..loading import Model
 from . import HEAD_FORMAT
 from .feature import new_head
-from .head import Head, target_rows
+from .head import Head, ready, target_rows
 
 WEIGHTS = "head.safetensors"
 SAMPLES = 16  # spans of each weights file read into the target's hash
@@ -47,7 +47,7 @@ def weights_id(path: Path) -> str:
 
 def save_head(module: nn.Module, target: Model, out: Path, trained: dict) -> None:
     """Write a head for `target` to directory `out`, atomically (a temp dir renamed)."""
-    from ..convert.quantize import atomic_directory
+    from ..convert.output import atomic_directory
 
     config = {
         "format": HEAD_FORMAT,
@@ -98,27 +98,3 @@ def load_head(path: Path, target: Model) -> Head:
     head = Head(module, *target_rows(target), target, "specmlx", path)
     head.info["weights_s"] = time.perf_counter() - start
     return head
-
-
-def ready(module: nn.Module, target: Model) -> None:
-    """Put a head in the target's form: its linear layers in INT4 where the target keeps
-    INT4, else cast to the target's dtype; on the CPU, prepared as the target was."""
-    quantization = target.quantization
-    if quantization and target.weights != "fp32":
-        size, bits = quantization["group_size"], quantization["bits"]
-        nn.quantize(
-            module,
-            group_size=size,
-            bits=bits,
-            class_predicate=lambda _, m: (
-                isinstance(m, nn.Linear) and m.weight.shape[-1] % size == 0
-            ),
-        )
-    cast_floating(module, target.dtype)
-    module.eval()
-    if backend() == "cpu":
-        from .. import cpu
-
-        # A draft pass need not give the bits a one-token pass gives: verify judges it.
-        cpu.prepare(module, "auto", "cpu", passes_exact=lambda _: True)
-    mx.eval(module.parameters())
