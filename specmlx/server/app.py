@@ -434,7 +434,7 @@ def run_stats(done: Finished) -> dict:
 class LogRequests:
     """One info line per HTTP request once its response has gone (a stream's at its
     end): method, path, status, seconds, and for a completion its tokens, tok/s, α and
-    TTFT; for an error, its message."""
+    TTFT; for an error, its message. (/health's at debug level.)"""
 
     def __init__(self, app: ASGIApp):
         self.app = app
@@ -456,7 +456,9 @@ class LogRequests:
             await self.app(scope, receive, sending)
         finally:
             seconds = time.perf_counter() - start
-            log.info(request_line(scope["method"], scope["path"], status, seconds, state))
+            # A load balancer's polls of /health would bury the requests' lines.
+            level = logging.DEBUG if scope["path"] == "/health" else logging.INFO
+            log.log(level, request_line(scope["method"], scope["path"], status, seconds, state))
 
 
 def request_line(method: str, path: str, status: int, seconds: float, state: dict) -> str:
