@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from . import drafters as registry
+from . import tree as trees
 from .drafters.protocol import Drafter, Proposal, Verdict, cost_id, interrupted
 from .errors import SpecmlxError
 from .heads import is_head
@@ -27,7 +28,7 @@ from .policy import AutoGamma, FixedGamma, Policy, RoundSummary, load_costs, sav
 from .policy.choice import Scheduler
 from .policy.costs import Costs, band_start, from_shorter
 from .sampling import SamplingParams, position_keys
-from .settings import MAX_GAMMA, check_seed, check_settings
+from .settings import MAX_GAMMA, check_seed, check_settings, parse_tree, tree_nodes
 from .target import Target, kernels
 
 if TYPE_CHECKING:
@@ -67,16 +68,25 @@ class Stats:
     rewind_time: float = 0.0  # rejected drafts undone by running kept tokens again
     rewinds: int = 0  # rounds that needed such a re-run (caches that cannot be trimmed)
     trees_as_chains: int = 0  # tree proposals this target verified by their first path
+    tree: int | str = "auto"  # as asked: auto, off, or the most nodes of a tree
+    tree_rounds: int = 0  # rounds that verified a tree whole
+    tree_nodes: int = 0  # the drafts those trees held (their verifies' rows but the root's)
+    rounds_by_shape: dict[str, int] = field(default_factory=dict)  # trees by the shape chosen
+    rounds_by_accepted: dict[int, int] = field(default_factory=dict)  # drafting rounds by
+    # the drafts accepted (a tree's: the depth of its accepted path)
     decode_time: float = 0.0  # first round to last token, seconds
     ttft: float = 0.0  # call to first emitted token, seconds
     finish_reason: str = ""  # "eos" | "length"
     eos: int = 0  # 1 where the target produced an EOS (never emitted, but a pass made it)
+    # Per position after the last emitted token: rounds that drafted there (a tree: any
+    # node at that depth) and rounds whose accepted drafts reached it.
     accepted_by_position: list[int] = field(default_factory=list)
     drafted_by_position: list[int] = field(default_factory=list)
 
     @property
     def acceptance(self) -> float:
-        """alpha: the fraction of drafted tokens the target accepted."""
+        """alpha: the fraction of drafted tokens the target accepted (a tree's nodes off
+        the accepted path count as drafted: compare trees and chains by τ)."""
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
@@ -115,11 +125,20 @@ class Stats:
         self.prefill_time += r.prompt_s
         self.drafted += r.drafted
         self.accepted += r.accepted
-        self.cut_short += r.drafted < r.asked
-        while len(self.drafted_by_position) < r.drafted:
+        self.rounds_by_accepted[r.accepted] = self.rounds_by_accepted.get(r.accepted, 0) + 1
+        deep = r.drafted
+        if r.parents is not None:
+            self.tree_rounds += 1
+            self.tree_nodes += r.drafted
+            shape = str(r.plan.tree or trees.Shape(tuple(r.parents)))
+            self.rounds_by_shape[shape] = self.rounds_by_shape.get(shape, 0) + 1
+            deep = max(trees.depths(r.parents), default=0)
+        else:
+            self.cut_short += r.drafted < r.asked
+        while len(self.drafted_by_position) < deep:
             self.drafted_by_position.append(0)
             self.accepted_by_position.append(0)
-        for i in range(r.drafted):
+        for i in range(deep):
             self.drafted_by_position[i] += 1
             self.accepted_by_position[i] += i < r.accepted
 
@@ -305,6 +324,7 @@ def generate(
     draft_mode: str | None = None,
     drafter: Drafter | None = None,
     sampling: str | None = None,
+    tree: int | str = "auto",
     seed: int = 0,
     session: Session | None = None,
     on_prefill: Callable[[int, int], None] | None = None,
@@ -326,6 +346,14 @@ def generate(
     sampling: at temperature > 0, "rejection" (modified rejection sampling) or "coupled"
     (every position's randomness keyed by (seed, position): one text per seed, whatever
     the rounds, equal to the target alone's); None: settings.DEFAULT_SAMPLING.
+    tree: "auto" (the default: with auto γ, a drafter that can draft trees (the draft
+    model, prompt lookup) drafts one of up to settings.MAX_TREE nodes in a round where
+    the measured cost curve and this text's acceptance make it beat the best chain; with
+    a fixed γ, chains), "off" (chains only), or an int N from 2 to MAX_TREE (auto γ: trees
+    of at most N nodes where they pay; fixed γ: a tree of N nodes, γ deep, every round).
+    A tree is verified whole in one pass at any temperature, exactly; on a recurrent
+    target, by its first path (Stats.trees_as_chains). The text (or "off"/"auto") as a
+    user typed it is accepted too: settings.parse_tree checks it, one line on a bad value.
     on_prefill: called with (tokens done, tokens in all) as the target takes the prompt,
     chunk by chunk (see caches.prefill); not called when the caches already hold it.
     """
@@ -333,6 +361,7 @@ def generate(
         max_tokens, temperature, top_p, top_k, num_draft, draft_mode, sampling
     )
     check_seed(seed)
+    tree = parse_tree(tree)
     if session is None:
         session = Session(target, draft)
     elif session.model is not target or not any(draft is d for d in (None, *session.sources)):
@@ -346,10 +375,12 @@ def generate(
         session.target.check_rollback()
     readers = [d for d in chosen if registry.reads_hidden(d)]
     session.target.set_hidden(bool(readers), registry.taps(readers[0]) if readers else None)
-    policy = _policy(session, params, num_draft if chosen else 0, chosen)
+    nodes = tree_nodes(tree, num_draft == "auto") if session.target.verifies_trees else 0
+    policy = _policy(session, params, num_draft if chosen else 0, chosen, nodes)
 
     def steps(gen: Generation) -> Iterator[Step]:
         gen.stats.gamma, gen.stats.draft_mode = num_draft if chosen else 0, mode
+        gen.stats.tree = tree
         gen.stats.drafters = [d.name for d in chosen]
         gen.stats.sampling = "coupled" if params.coupled else "rejection"
         try:
@@ -368,14 +399,20 @@ def generate(
 
 
 def _policy(
-    session: Session, params: SamplingParams, gamma: int | str, drafters: list[Drafter]
+    session: Session,
+    params: SamplingParams,
+    gamma: int | str,
+    drafters: list[Drafter],
+    trees: int = 0,
 ) -> Policy:
-    """The γ policy for this call over its drafters."""
+    """The γ policy for this call over its drafters; `trees`: the most nodes of a tree
+    (settings.tree_nodes; 0: chains)."""
     if gamma != "auto":
-        return FixedGamma(gamma, drafters)
+        return FixedGamma(gamma, drafters, trees)
     schedulers = session.schedulers(drafters)
     costs_at = session.costs_at(drafters)
-    return AutoGamma(drafters, schedulers, not params.greedy, session.save_costs, costs_at)
+    sampled = not params.greedy
+    return AutoGamma(drafters, schedulers, sampled, session.save_costs, costs_at, trees)
 
 
 def _decode(
@@ -400,9 +437,7 @@ def _decode(
         round_key, draft_keys = keys.round(produced, asked)
         t0, proposal = time.perf_counter(), None
         if asked > 0:
-            proposal = _at_most(
-                asked, plan.drafter.propose(asked, draft_keys, target.draw, plan.go_on)
-            )
+            proposal = _propose(plan, asked, draft_keys, target.draw)
             mx.eval(proposal.tokens, proposal.q)
             prompt_s += proposal.prompt_s
             t1 = time.perf_counter()
@@ -459,6 +494,18 @@ def _prefill(
         else:
             drafter.start(ids)
     stats.prefill_time = time.perf_counter() - start
+
+
+def _propose(plan, asked: int, keys: mx.array, draw) -> Proposal:
+    """The planned drafter's proposal of at most `asked` drafts: a tree where the plan
+    has one (its shape cut to `asked` nodes: each prefix of a planned shape is the best
+    tree of its size, policy.trees), else a chain."""
+    if plan.tree is None:
+        proposal = plan.drafter.propose(asked, keys, draw, plan.go_on)
+    else:
+        shape = trees.Shape(plan.tree.parents[:asked])
+        proposal = plan.drafter.propose(asked, keys, draw, plan.go_on, tree=shape)
+    return _at_most(asked, proposal)
 
 
 def _at_most(asked: int, proposal: Proposal) -> Proposal:
@@ -521,6 +568,8 @@ def _summary(
         timed_draft_s=proposal.timed_draft_s,
         tree_as_chain=verdict.tree_as_chain,
         draft_tops=proposal.tops,
+        parents=None if verdict.tree_as_chain else proposal.parents,
+        path=verdict.path,
         **common,
     )
 

@@ -38,6 +38,42 @@ def parse_gamma(value: int | str) -> int | str:
     return value
 
 
+# The most nodes a tree of drafts may have (--tree N): its verify is a pass over N + 1
+# tokens, and a policy asks for at most this many.
+MAX_TREE = 16
+TREES = ("auto", "off")  # what --tree takes besides a number of nodes
+
+
+def parse_tree(value: int | str) -> int | str:
+    """The tree setting as given: 'auto' (trees of up to MAX_TREE nodes where the policy
+    finds they pay, with auto γ), 'off' (chains), an integer from 2 to MAX_TREE (trees
+    of at most that many nodes), or its text."""
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in TREES:
+            return word
+        try:
+            value = int(word)
+        except ValueError:
+            raise SpecmlxError(
+                f"tree must be auto, off or a number of nodes from 2 to {MAX_TREE}, got {value!r}"
+            ) from None
+    if isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= MAX_TREE:
+        raise SpecmlxError(
+            f"tree must be auto, off or a number of nodes from 2 to {MAX_TREE}, got {value!r}"
+        )
+    return value
+
+
+def tree_nodes(tree: int | str, auto_gamma: bool) -> int:
+    """The most nodes a round's tree may have under a parsed tree setting (0: chains). With
+    a fixed γ, auto keeps chains (nothing is measured to choose by) and N is each
+    round's size; with auto γ, the policy chooses up to N (auto: MAX_TREE)."""
+    if tree == "off" or (tree == "auto" and not auto_gamma):
+        return 0
+    return MAX_TREE if tree == "auto" else tree
+
+
 def check_seed(seed: int) -> int:
     """MLX's random key takes an unsigned 64-bit seed: refuse others here, in one line,
     rather than as a TypeError from deep inside the first sampling step."""

@@ -26,9 +26,7 @@ import time
 from collections.abc import Callable
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import RotatingKVCache
 
 from . import tree
 from .caches import (
@@ -50,6 +48,7 @@ from .lm_head import body, body_and_head, cuttable
 from .loading import Model, backend
 from .proposal import Proposal, Verdict, point_mass
 from .sampling import SamplingParams
+from .treepass import rope_owners, tree_mask, tree_pass
 from .verify import make_sampler, make_tree_verifier, make_verifier, top_probabilities
 
 
@@ -58,7 +57,7 @@ class Target:
         self.model = model
         self.hidden = False  # keep the features of each pass (set_hidden)
         self.taps: tuple[int, ...] | None = None  # which layers' outputs are the features
-        self._rope_owners: list[nn.Module] | None = None  # where a tree's positions go
+        self._rope_owners: list | None = None  # the attention layers, where a tree's positions go
         self.reset()
 
     def reset(self) -> None:
@@ -289,22 +288,12 @@ class Target:
         at the position of its depth."""
         depths = [0, *tree.depths(parents)]
         ancestry = mx.array(tree.ancestry(parents))
-        every = layers(self.cache)
         if self._rope_owners is None:  # the modules do not change: walk them once
             self._rope_owners = rope_owners(self.model.module)
-        owners = self._rope_owners
         dtype = getattr(mx, self.model.dtype)
-        for c in every:
-            c.make_mask = _tree_mask(c, depths, ancestry, dtype)
-        for owner in owners:
-            owner["rope"] = _TreeRoPE(owner["rope"], depths)
-        try:
+        masks = [tree_mask(c, depths, ancestry, dtype) for c in layers(self.cache)]
+        with tree_pass(self.cache, self._rope_owners, masks, depths):
             return self._forward(x)
-        finally:
-            for c in every:
-                del c.make_mask
-            for owner in owners:
-                owner["rope"] = owner["rope"].inner
 
     def _forward(self, x: mx.array) -> tuple[mx.array, mx.array | None]:
         """(logits (L, V), last hidden states (L, D) or None) of a pass over tokens x."""
@@ -347,57 +336,6 @@ class Features:
         if len(self.parts) > 1:
             self.parts = [mx.concatenate(self.parts)]
         return self.parts[0][start:stop] if self.parts else mx.zeros((0, 0))
-
-
-def rope_owners(module: nn.Module) -> list[nn.Module]:
-    """The modules (attention layers) that hold a `rope`: where a tree's positions go."""
-    return [m for _, m in module.named_modules() if isinstance(m, nn.Module) and "rope" in m]
-
-
-class _TreeRoPE(nn.Module):
-    """A layer's RoPE at each tree row's own position (offset + its depth), in runs of
-    rows whose depths follow one another (a chain's rows are one run)."""
-
-    def __init__(self, inner: nn.Module, depths: list[int]):
-        super().__init__()
-        self.inner = inner
-        self.runs = []  # (first row, rows, depth of the first)
-        for row, depth in enumerate(depths):
-            if self.runs and depths[row - 1] + 1 == depth:
-                first, count, at = self.runs[-1]
-                self.runs[-1] = (first, count + 1, at)
-            else:
-                self.runs.append((row, 1, depth))
-
-    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
-        parts = [
-            self.inner(x[..., first : first + count, :], offset=offset + at)
-            for first, count, at in self.runs
-        ]
-        return mx.concatenate(parts, axis=-2)
-
-
-def _tree_mask(c, depths: list[int], ancestry: mx.array, dtype: mx.Dtype):
-    """A cache layer's make_mask for a tree pass: each row sees the cached positions a
-    chain row at its depth would see (windows included), and its own ancestors. A sliding
-    window's mask is additive, in the model's dtype: a boolean one of its shape is read
-    by the native attention op as a plain window, which a tree's rows are not."""
-    own = type(c).make_mask
-    window = isinstance(c, RotatingKVCache)
-    depth = mx.array(depths)
-
-    def make_mask(n: int, return_array: bool = False, window_size: int | None = None):
-        base = own(c, n, return_array=True, window_size=window_size)[depth]
-        start = base.shape[1] - n if window else c.offset  # where the pass's own rows are
-        near = ancestry
-        if window_size is not None:  # an ancestor further back than the window is out
-            near = near & (depth[:, None] - depth[None, :] < window_size)
-        base[:, start : start + n] = near
-        if not window:
-            return base
-        return mx.where(base, mx.array(0, dtype), mx.array(-mx.inf, dtype))
-
-    return make_mask
 
 
 def kernels() -> tuple[str, str]:

@@ -10,6 +10,8 @@ row. These functions are plain Python over the parent list: a proposal has a few
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 def chain(g: int) -> list[int]:
     """The parents of a chain of g drafts."""
@@ -69,6 +71,17 @@ def ranks(parents: list[int]) -> list[int]:
     return out
 
 
+def walk(parents: list[int], path: list[int]) -> list[tuple[int, int]]:
+    """What a verify's walk met at the root and at each accepted node (`path`): (how many
+    children it had, the rank of the one accepted, -1 where none was: the walk ended)."""
+    out = []
+    for i, node in enumerate([-1, *path]):
+        children = [j for j, p in enumerate(parents) if p == node]
+        taken = path[i] if i < len(path) else None
+        out.append((len(children), children.index(taken) if taken is not None else -1))
+    return out
+
+
 def ancestry(parents: list[int]) -> list[list[bool]]:
     """(g + 1) x (g + 1): row i, column k is True where pass row k is pass row i or one of
     its ancestors (row 0, the root, is every row's ancestor): the attention mask among a
@@ -79,3 +92,34 @@ def ancestry(parents: list[int]) -> list[list[bool]]:
         row[j + 1] = True
         rows.append(row)
     return rows
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The tree a policy asks a drafter for: `parents`, the shape its model of acceptance
+    found best (siblings in order of preference). A drafter that places its branches by
+    its own probabilities (drafters.treedraft) keeps within it: at most as many nodes at
+    each depth, and as many children of one node as its widest node has."""
+
+    parents: tuple[int, ...]
+
+    @property
+    def nodes(self) -> int:
+        return len(self.parents)
+
+    @property
+    def at_depth(self) -> list[int]:
+        """How many nodes at depth 1, 2, ..."""
+        out: list[int] = []
+        for d in depths(list(self.parents)):
+            out += [0] * (d - len(out))
+            out[d - 1] += 1
+        return out
+
+    @property
+    def width(self) -> int:
+        return max(ranks(list(self.parents)), default=-1) + 1
+
+    def __str__(self) -> str:
+        """What the stats show: the nodes at each depth, e.g. '3+2+2+1'."""
+        return "+".join(map(str, self.at_depth))

@@ -7,8 +7,9 @@ over every possible first token). Chi-square at significance 0.001 with cells of
 expected count < 5 merged. A draft that is the target itself, a perturbed copy and an
 unrelated model are each tried at T = 1.0 and at T = 0.7 with top-p 0.9, under modified
 rejection sampling; coupled sampling (the default) with the perturbed draft and with
-prompt lookup; trees of drafts (three candidates drawn without replacement under the
-last token, two under the first) judged by multi-candidate rejection sampling. The
+prompt lookup; trees of drafts judged by multi-candidate rejection sampling: drawn
+without replacement by a test drafter (three candidates under the last token, two under
+the first) and grown by the perturbed draft model (six nodes, three deep). The
 control tests show the same check rejects a sampler, of either kind, that emits the
 draft's tokens unchecked, and a tree sampler that never updates its residual.
 
@@ -231,6 +232,17 @@ def tree_pairs(target):
 def test_trees_judged_by_multi_candidate_rejection_sampling_keep_the_target_distribution(no_eos):
     counts, joint = tree_pairs(no_eos["target"])
     assert chi_square_pvalue(counts, joint) > ALPHA
+
+
+def test_draft_model_trees_keep_the_target_distribution(no_eos):
+    target, settings = no_eos["target"], SETTINGS["T=1.0"]
+    kw = dict(gamma=3, max_tokens=8, sampling="rejection", tree=6, draft_mode="model")
+    counts = sampled_pairs(target, no_eos["perturbed"], settings, **kw)
+    assert chi_square_pvalue(counts, exact_joint(target, settings)) > ALPHA
+    one = specmlx.generate(
+        target, PROMPT, draft=no_eos["perturbed"], num_draft=3, max_tokens=8, **settings, tree=6
+    )
+    assert one.run().stats.tree_rounds > 0
 
 
 def test_the_check_rejects_a_tree_sampler_that_never_updates_its_residual(no_eos, monkeypatch):

@@ -1,13 +1,16 @@
 """The γ policy: speculate only where measured costs and acceptance say it pays."""
 
 import json
+from itertools import product
 from types import SimpleNamespace
 
 import pytest
 
 import specmlx
+from specmlx import tree
 from specmlx.cpu import native
 from specmlx.drafters.protocol import cost_id
+from specmlx.policy import FixedGamma
 from specmlx.policy.acceptance import CONFIDENCE_WEIGHT, PRIOR_ALPHA, Acceptance
 from specmlx.policy.choice import (
     COST_PROBE,
@@ -27,6 +30,7 @@ from specmlx.policy.costs import (
     load_costs,
     save_costs,
 )
+from specmlx.policy.trees import grow_shape, rank_chance
 
 T1 = 0.3  # seconds per plain step; only ratios to it matter
 
@@ -756,3 +760,94 @@ def test_auto_prices_each_round_at_the_context_the_target_holds():
     assert auto.plan(remaining=64, context=500).gamma > 0
     assert auto.plan(remaining=64, context=3000).gamma == 0
     assert lookup.costs is dear
+
+
+# Trees (policy/trees.py): chosen where the cost curve is flat, chains kept where it is not.
+FLAT = lambda k: 1 + 0.02 * (k - 1)  # noqa: E731  (a GPU, or AVX-512 at small k)
+STEEP = lambda k: 1 + 0.45 * (k - 1)  # noqa: E731  (an AVX2 CPU)
+
+
+def allowing_trees(curve, draft_ratio, alpha, free=False, nodes=16):
+    s = warmed(curve, draft_ratio, alpha, free=free)
+    s.trees = nodes
+    return s
+
+
+@pytest.mark.parametrize("free", [False, True], ids=["draft model", "prompt lookup"])
+def test_a_flat_cost_curve_drafts_trees(free):
+    choice = allowing_trees(FLAT, 0.1, 0.7, free).choose()
+    assert choice.tree is not None and choice.gamma == choice.tree.nodes
+    assert choice.tree.width > 1 and choice.tree.nodes > 8  # wider than any chain's γ
+
+
+@pytest.mark.parametrize("free", [False, True], ids=["draft model", "prompt lookup"])
+def test_a_steep_cost_curve_keeps_chains(free):
+    choice = allowing_trees(STEEP, 0.1, 0.7, free).choose()
+    assert choice.gamma > 0 and choice.tree is None
+
+
+def test_a_call_that_allows_no_trees_drafts_chains_on_a_flat_curve():
+    choice = allowing_trees(FLAT, 0.1, 0.7, nodes=0).choose()
+    assert choice.gamma > 0 and choice.tree is None
+
+
+def test_a_tree_is_at_most_the_calls_limit():
+    choice = allowing_trees(FLAT, 0.1, 0.7, nodes=5).choose()
+    assert choice.tree is not None and choice.tree.nodes <= 5
+
+
+def test_siblings_that_seldom_pass_keep_chains_and_siblings_that_often_pass_make_trees():
+    def chosen(accepted):
+        s = allowing_trees(lambda k: 1 + 0.1 * (k - 1), 0.1, 0.7)
+        s.acceptance.siblings = [[accepted, 30.0]] * 3  # of 30 judged at each rank
+        return s.choose().tree
+
+    often = chosen(25.0)
+    assert chosen(1.0) is None and often is not None and often.width > 1
+
+
+def test_a_tree_round_teaches_acceptance_what_its_walk_met():
+    s = allowing_trees(FLAT, 0.1, 0.7)
+    before = s.acceptance.judged
+    # at the root the second child passed; under it the first; then a leaf
+    s.record_tree(4, T1, tree.walk([-1, -1, 1, 2], [1, 2, 3]))
+    assert s.acceptance.siblings[0][1] == 1 and s.acceptance.siblings[0][0] == 1
+    assert s.acceptance.judged == pytest.approx(0.9 * before + 3)  # three first children
+
+
+def test_the_greedy_tree_is_the_best_tree_of_its_size_where_rank_chances_fall():
+    # Brute force over every tree of up to 6 nodes, at most 3 deep and 3 wide.
+    alphas, later = [0.7, 0.6, 0.5], [0.4, 0.3]
+    for n in range(1, 7):
+        parents, scores = grow_shape(alphas, later, n, width=3)
+        assert sum(scores) == pytest.approx(best_score(alphas, later, n), rel=1e-9)
+
+
+def best_score(alphas, later, n):
+    best = 0.0
+    for parents in product(*[range(-1, j) for j in range(n)]):
+        parents = list(parents)
+        depths, ranks = tree.depths(parents), tree.ranks(parents)
+        if max(depths) > len(alphas) or max(ranks) > len(later):
+            continue
+        scores = []
+        for j, p in enumerate(parents):
+            above = 1.0 if p < 0 else scores[p]
+            scores.append(above * rank_chance(alphas[depths[j] - 1], later, ranks[j]))
+        best = max(best, sum(scores))
+    return best
+
+
+def test_each_prefix_of_a_planned_shape_is_a_tree():
+    parents, _ = grow_shape([0.8] * 8, [0.3, 0.2, 0.1], 16)
+    for n in range(1, 17):
+        tree.check(parents[:n])
+
+
+def test_a_fixed_tree_size_drafts_that_many_nodes_gamma_deep():
+    from specmlx.drafters.lookup import LookupDrafter
+
+    lookup = LookupDrafter()
+    lookup.start([1, 2, 3, 1, 2, 3, 1, 2])
+    plan = FixedGamma(3, [lookup], trees=7).plan(100)
+    assert plan.tree.nodes == plan.gamma == 7 and len(plan.tree.at_depth) <= 3

@@ -63,7 +63,7 @@ def test_a_drafter_written_outside_the_package_runs_through_generate(tiny_pair):
 
 
 @pytest.mark.parametrize(
-    "arch", ["llama", "qwen2", "gemma3_text", "gpt_oss", "qwen3_next", "mamba2"]
+    "arch", ["llama", "qwen2", "qwen3", "gemma3_text", "gpt_oss", "qwen3_next", "mamba2"]
 )
 def test_a_tree_of_two_branches_three_deep_decodes_the_targets_greedy_text(tiny_pair, arch):
     target = specmlx.load(tiny_pair(arch)[0])

@@ -5,7 +5,8 @@ registered here under a name: the name is what `--draft-mode` and the server's
 `draft_mode` take, and what Stats counts its rounds under. The engine, the γ policy, the
 CLI and the server read what a drafter needs from its registration and its attributes
 (`free`: its drafts cost no model pass; `reads_hidden`: the target's last hidden states
-come to it in each Verdict), never from its class or name. `generate(..., drafter=obj)`
+come to it in each Verdict; `trees`: it drafts a tree when propose is given a `tree`
+shape), never from its class or name. `generate(..., drafter=obj)`
 runs any object that implements the protocol, registered or not.
 
 This module stays light (no MLX import) so that option checks can read the names; each
@@ -110,6 +111,11 @@ def select(mode: str, sources: Sources, made: dict[str, Drafter]) -> list:
 
 def is_free(drafter: Any) -> bool:
     return bool(getattr(drafter, "free", False))
+
+
+def grows_trees(drafter: Any) -> bool:
+    """Whether it drafts trees when asked (propose's `tree`: a tree.Shape)."""
+    return bool(getattr(drafter, "trees", False))
 
 
 def reads_hidden(drafter: Any) -> bool:

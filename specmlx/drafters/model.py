@@ -8,11 +8,14 @@ from functools import partial
 import mlx.core as mx
 import numpy as np
 
+from .. import tree
 from ..caches import (
     PREFILL_STEP,
     align_cache,
     check_rollback,
     checkpoint,
+    keep_rows,
+    layers,
     make_cache,
     prefill,
     rewind,
@@ -22,10 +25,12 @@ from ..caches import (
 )
 from ..cpu import softmax
 from ..loading import Model
+from ..treepass import grown_mask, grows_trees, rope_owners, tree_pass
 from ..verify import top_probability
 from . import Sources
 from .protocol import Draw, GoOn, Proposal, Verdict
 from .subvocab import SubHead, draft_size, shared_sub_head
+from .treedraft import grow
 
 
 class ModelDrafter:
@@ -55,6 +60,16 @@ class ModelDrafter:
         self.fed: list[int] = []  # what its first pass took
         self.proposals = 0  # made in this Session
         self.timed = 0  # passes time_pass has run
+        # A tree being grown (treedraft.grow): where its nodes start in the cache, and
+        # the nodes run so far, in the order their entries follow.
+        self.tree_start, self.tree_fed = 0, []
+        self.owners: list | None = None  # the attention layers, where a tree's positions go
+
+    @property
+    def trees(self) -> bool:
+        """Whether it drafts trees: where its cache keeps every position in order, so a
+        tree can grow in it pass by pass and be cut to the accepted path."""
+        return grows_trees(self.cache)
 
     def start(self, context: list[int]) -> None:
         keep = align_cache(self.model, self.cache, self.cached, context[:-1], self.prompt_snapshot)
@@ -83,10 +98,18 @@ class ModelDrafter:
         if not trims_exactly(self.cache):
             self.cached.clear()
 
-    def propose(self, g: int, keys: mx.array, draw: Draw, go_on: GoOn | None = None) -> Proposal:
+    def propose(
+        self,
+        g: int,
+        keys: mx.array,
+        draw: Draw,
+        go_on: GoOn | None = None,
+        tree: tree.Shape | None = None,
+    ) -> Proposal:
         """g tokens and their q, lazily (nothing is synced unless `go_on` is given: it is
         shown its top probability at each draft as it is made, the last one too, which
-        syncs every pass)."""
+        syncs every pass). With a `tree` shape (where `trees`), a tree within it
+        (treedraft.grow: a pass per level, synced at each)."""
         start = time.perf_counter()
         if self.prompt_left:
             self._feed(self.prompt_left)
@@ -101,6 +124,12 @@ class ModelDrafter:
         self.fed = list(self.pending)
         self.cached += self.pending
         x = mx.array(self.pending, mx.uint32)
+        if tree is not None:
+            self.pending, root = [], self._every_logits(x)[-1:]
+            self.tree_start, self.tree_fed = len(self.cached), []
+            proposal = grow(root, self._tree_step, tree, keys, draw, self.width)
+            proposal.fed, proposal.first, proposal.prompt_s = fed, first, prompt_s
+            return proposal
         tokens, qs, tops = [], [], []
         for k in keys[:g]:
             logits, probs, x = self.step(x, k, draw)
@@ -132,6 +161,32 @@ class ModelDrafter:
         probs, index = draw(logits, key)
         return logits, probs, self.head.token(index)
 
+    def _tree_step(self, feed: list[int], tokens: list[int], parents: list[int]) -> mx.array:
+        """treedraft's Step: the nodes `feed` run after the tree's nodes run before, each
+        at its depth's position, seeing the context and its ancestors."""
+        depths, ancestry = tree.depths(parents), tree.ancestry(parents)
+        nodes = self.tree_fed + feed
+        root = self.tree_start - 1  # the last emitted token's position
+        positions = [root + depths[j] for j in nodes]
+        seen = mx.array([[ancestry[j + 1][k + 1] for k in nodes] for j in feed])
+        offset = self.tree_start + len(self.tree_fed)  # the layers' offset: where it starts
+        at = [p - offset for p in positions[len(self.tree_fed) :]]
+        dtype = getattr(mx, self.model.dtype)
+        masks = [grown_mask(self.tree_start, positions, seen, dtype) for _ in layers(self.cache)]
+        if self.owners is None:  # the modules do not change: walk them once
+            self.owners = rope_owners(self.model.module)
+        with tree_pass(self.cache, self.owners, masks, at):
+            logits = self._every_logits(mx.array([tokens[j] for j in feed], mx.uint32))
+        self.tree_fed = nodes
+        return logits
+
+    def _every_logits(self, x: mx.array) -> mx.array:
+        """(len(x), V') logits at every position of a pass over x, over the full
+        vocabulary (a head's widened with -inf)."""
+        if self.head is None:
+            return self.model.module(x[None], cache=self.cache)[0]
+        return self.head.widen_logits(self.head.logits(self.model.module, x, self.cache, True))
+
     def _shown(self, logits: mx.array, probs: mx.array | None) -> mx.array | None:
         """What its confidence is read from. Over a sub-vocabulary the logits are not the
         full row top_probability expects at temperature 0: their softmax is read."""
@@ -144,6 +199,8 @@ class ModelDrafter:
         if proposal is None:
             self.pending += emitted  # it sat out: it takes them with its next pass
             return 0
+        if not proposal.is_chain:
+            return self._commit_tree(proposal, verdict)
         # It fed d_1..d_{g-1} through itself; d_g was sampled but never fed.
         g = proposal.tokens.shape[0]
         drafts = proposal.tokens.tolist()
@@ -157,6 +214,19 @@ class ModelDrafter:
         del self.cached[len(self.cached) - rejected :]
         self.pending = emitted[-1:]
         return rerun
+
+    def _commit_tree(self, proposal: Proposal, verdict: Verdict) -> int:
+        """Keep the cache entries of the accepted nodes it ran (a path's nodes were run in
+        its order), moved up after the context; the rest of the path (a leaf it never ran)
+        and the target's token are taken with its next pass."""
+        ran = {node: i for i, node in enumerate(self.tree_fed)}
+        kept = [j for j in verdict.path if j in ran]
+        keep_rows(self.cache, [ran[j] for j in kept], len(self.tree_fed))
+        drafts = proposal.tokens.tolist()
+        self.cached += [drafts[j] for j in kept]
+        self.pending = [drafts[j] for j in verdict.path[len(kept) :]] + [verdict.token]
+        self.tree_fed = []
+        return 0
 
     def time_pass(self) -> float:
         """Seconds for one one-token pass, the cache left as it was: the draft's cost now,

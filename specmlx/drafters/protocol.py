@@ -6,8 +6,11 @@ chain or a tree, with the distributions they were drawn from) and `commit` (the 
 auto policy price it: `behind` (tokens it must take before it can draft), `available(g)`
 (drafts it can offer now), `time_pass()` (seconds of one draft pass, for a drafter that
 runs a model), `cost_id` (what its cost depends on) and `interrupted()` (a call was
-stopped mid-pass). A user's own class with the three methods runs through
-`specmlx.generate(..., drafter=obj)`.
+stopped mid-pass). A drafter with `trees` true is asked for a tree by a keyword
+`tree` to propose (a tree.Shape: the most nodes at each depth and children of a node;
+drafters.treedraft.grow grows one from any step function); others are never passed it.
+A user's own class with the three methods runs through `specmlx.generate(...,
+drafter=obj)`.
 """
 
 from __future__ import annotations

@@ -52,10 +52,12 @@ class SubHead:
     rows: nn.Module  # the head layer's own class, holding only the rows of `ids`
     tied: bool  # the head is the embedding's as_linear
 
-    def logits(self, module: nn.Module, x: mx.array, cache: list) -> mx.array:
+    def logits(self, module: nn.Module, x: mx.array, cache: list, every: bool = False) -> mx.array:
         """(1, N) logits of the last position after a pass over tokens x (lazy); the head
-        runs on that position only."""
-        hidden = module.model(x[None], cache=cache)[:, -1, :]
+        runs on that position only. `every`: (len(x), N), at every position (a tree's
+        nodes)."""
+        hidden = module.model(x[None], cache=cache)[0]
+        hidden = hidden if every else hidden[-1:]
         return self.rows.as_linear(hidden) if self.tied else self.rows(hidden)
 
     def token(self, index: mx.array) -> mx.array:

@@ -1,12 +1,130 @@
 """Drafting a tree: several candidates at the positions where the drafter is unsure.
 
-What any drafter that can score more than one candidate shares (the draft model here; a
-feature head can call the same function with its own step).
+`grow` is what every drafter that scores more than one candidate shares: the draft model
+(drafters/model.py) calls it with a step that runs the model over a tree's new nodes; a
+feature head can call it with a step that runs the head. It expands the tree EAGLE-2
+style: level by level, the drafter's own most probable nodes get children, within the
+Shape the policy asked for.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
+import numpy as np
+
+from ..cpu import softmax
+from ..sampling import sample
+from ..tree import Shape
+from .protocol import Draw, Proposal
+
+# step(feed, tokens, parents) -> logits (len(feed), V'): the drafter run over the nodes
+# `feed` (ids into `tokens` and `parents`, the tree so far, parents first), each row at
+# its depth's position seeing the context and its own ancestors; its logits at each,
+# over the full vocabulary (-inf where a drafter over fewer tokens has none).
+Step = Callable[[list[int], list[int], list[int]], mx.array]
+
+
+def grow(
+    root: mx.array, step: Step, shape: Shape, keys: mx.array, draw: Draw, width: int
+) -> Proposal:
+    """A tree of drafts under the last emitted token, within `shape`.
+
+    root (1, V'): the drafter's logits after the last emitted token. keys (g, 2): a key
+    per depth (the engine's per-draft keys; coupled sampling keys each position, and
+    every node's first child at depth d is drawn with the key of d, as a chain's draft
+    there is). draw: the call's sampler (Proposal's Draw). width: the vocabulary the
+    verify compares over.
+
+    Level by level: the drafter's distribution at each node run so far (the root first)
+    offers its `shape.width` most probable tokens as children; the children kept are the
+    best by the drafter's own probability of their whole path (the parent's times the
+    child's rank's probability), as many as the shape has at that depth. Then the kept
+    children with the most probable paths, as many as the shape has nodes one deeper,
+    are run (one `step`) for the next level. At temperature 0 a node's children are its
+    top tokens; above it they are drawn without replacement, the first from `draw`, each
+    next one from the distribution with the siblings before it removed, which is also the
+    q it is judged with (without_replacement).
+
+    Exact at any temperature: which children a node gets, and how many, is decided from
+    its distribution and the paths above it, before they are drawn (only their ranks'
+    probabilities are read); never by a drawn child's own value, which would bias the
+    kept children toward the drafter's likely tokens (EAGLE-2's final rerank does that;
+    it is left out). Which nodes are run next reads the drawn children's values, which
+    only decides where deeper children hang.
+    """
+    tokens: list[int] = []
+    parents: list[int] = []
+    qs: list[mx.array] = []
+    value: list[float] = []  # the drafter's own probability of each node's path
+    feed, logits = [-1], root
+    at_depth = shape.at_depth
+    for depth, room in enumerate(at_depth):
+        rows = [draw(logits[i : i + 1], keys[depth]) for i in range(len(feed))]
+        greedy = rows[0][0] is None
+        if greedy:
+            dist = softmax(logits[:, :width].astype(mx.float32))
+        else:
+            dist = mx.concatenate([probs for probs, _ in rows])
+        best = mx.argpartition(-dist, shape.width - 1, axis=-1)[:, : shape.width]
+        top = np.array(mx.take_along_axis(dist, best, axis=-1))
+        order = np.argsort(-top, axis=-1, kind="stable")
+        best, top = (
+            np.take_along_axis(np.array(best), order, -1),
+            np.take_along_axis(top, order, -1),
+        )
+        above = [1.0 if v < 0 else value[v] for v in feed]
+        # A rank without probability (top-k or top-p cut the rest) gets no child: there
+        # is nothing left to draw it from.
+        slots = sorted(
+            (-above[i] * top[i, r], i, r)
+            for i in range(len(feed))
+            for r in range(shape.width)
+            if top[i, r] > 0
+        )[:room]
+        counts = [sum(1 for _, i, _ in slots if i == row) for row in range(len(feed))]
+        extra = mx.random.split(keys[depth], shape.width)
+        level = []
+        for i, (parent, count) in enumerate(zip(feed, counts, strict=True)):
+            if not count:
+                continue
+            if greedy:
+                drawn = [int(t) for t in best[i, :count]]
+                made = [(t, None, above[i] * float(p)) for t, p in zip(drawn, top[i], strict=False)]
+            else:
+                made = _without_replacement(rows[i], count, extra, above[i])
+            for token, q, path_value in made:
+                level.append(len(tokens))
+                tokens.append(token)
+                parents.append(parent)
+                qs.append(q)
+                value.append(path_value)
+        if depth + 1 == len(at_depth) or not level:
+            break
+        ranked = sorted(level, key=lambda j: (-value[j], j))[: at_depth[depth + 1]]
+        feed = sorted(ranked)
+        logits = step(feed, tokens, parents)
+    q = None if qs[0] is None else mx.stack(qs)
+    return Proposal(mx.array(tokens, mx.uint32), q, parents)
+
+
+def _without_replacement(row: tuple, count: int, keys: mx.array, above: float) -> list[tuple]:
+    """`count` children drawn without replacement from a node's distribution: the first is
+    draw's, each next one from the distribution with the earlier ones removed. Returns
+    (token, the q it was drawn from, its path's probability) for each."""
+    probs, first = row
+    probs = probs[0]
+    tried = [first.reshape(1)]
+    made = [(first, probs)]
+    for r in range(1, count):
+        q = without_replacement(probs, mx.concatenate(tried))
+        token = sample(q, keys[r]).reshape(1)
+        tried.append(token)
+        made.append((token, q))
+    drawn = mx.concatenate(tried)
+    at = np.array(probs[drawn]).tolist()
+    return [(int(t), q, above * p) for (_, q), t, p in zip(made, drawn.tolist(), at, strict=True)]
 
 
 def without_replacement(probs: mx.array, tried: mx.array) -> mx.array:
@@ -16,3 +134,10 @@ def without_replacement(probs: mx.array, tried: mx.array) -> mx.array:
     Decoding; verify.accept_tree_reject says why it stays exact)."""
     left = mx.where(mx.any(mx.arange(probs.shape[-1])[None] == tried[:, None], axis=0), 0.0, probs)
     return left / mx.sum(left)
+
+
+def pass_widths(at_depth: list[int]) -> list[int]:
+    """The tokens of each draft pass `grow` makes for a shape of `at_depth` nodes at each
+    depth (Shape.at_depth): the first over the last emitted token, then at each level as
+    many nodes as the next depth has room for, of those the level has."""
+    return [1] + [min(at_depth[d - 1], at_depth[d]) for d in range(1, len(at_depth))]

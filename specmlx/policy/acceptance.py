@@ -23,6 +23,10 @@ CONFIDENCE_WEIGHT = 2.0
 # target is unsure (0.22 -> 0.47, 0.40 -> 0.57) and over-forecasts a little where it is
 # sure (0.97 -> 0.90), so one factor for all fits none (bench/results/confidence_agreement.md).
 BANDS = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
+# In a tree, the chance that a later sibling passes once those before it failed, before
+# this text shows any (a drafter's second choice is the target's where its first is
+# not about a third of the time); shrunk toward with POSITION_PRIOR drafts' worth.
+SIBLING_PRIOR = 0.3
 
 
 @dataclass
@@ -51,6 +55,9 @@ class Acceptance:
     # Per draft position i ≥ 1: [accepted, judged] (judged: every draft before it passed).
     # α_0 reads the pooled evidence, so the first position keeps no counts of its own.
     later: list[list[float]] = field(default_factory=list)
+    # In trees, per sibling rank r >= 1: [accepted, judged] (judged: every sibling before
+    # it failed).
+    siblings: list[list[float]] = field(default_factory=list)
 
     def observe(self, g: int, n: int) -> None:
         """A round drafted g and the target accepted n (and rejected the next, if n < g)."""
@@ -63,6 +70,40 @@ class Acceptance:
         for i in range(1, min(n + 1, g)):
             self.later[i - 1][0] += i < n
             self.later[i - 1][1] += 1
+
+    def observe_tree(self, walk: list[tuple[int, int]]) -> None:
+        """A tree round, as tree.walk tells it: at the root and each accepted node, how
+        many children it had and the rank of the one accepted (-1: none). A node's first
+        child counts as a chain's draft at its depth; the later ones as siblings."""
+        self._age()
+        self.seen = True
+        for i, (children, taken) in enumerate(walk):
+            if not children:
+                continue
+            first = taken == 0
+            self.accepted += first
+            self.judged += 1
+            if i:
+                while len(self.later) < i:
+                    self.later.append([0.0, 0.0])
+                self.later[i - 1][0] += first
+                self.later[i - 1][1] += 1
+            tried = children - 1 if taken < 0 else taken
+            while len(self.siblings) < tried:
+                self.siblings.append([0.0, 0.0])
+            for r in range(1, tried + 1):
+                self.siblings[r - 1][0] += r == taken
+                self.siblings[r - 1][1] += 1
+
+    def sibling_alphas(self, ranks: int) -> list[float]:
+        """c_1 … c_ranks: the chance that a later sibling of each rank passes once those
+        before it failed, shrunk toward SIBLING_PRIOR."""
+        prior = POSITION_PRIOR * SIBLING_PRIOR
+        seen = self.siblings
+        return [
+            (seen[r][0] + prior) / (seen[r][1] + POSITION_PRIOR) if r < len(seen) else SIBLING_PRIOR
+            for r in range(ranks)
+        ]
 
     def observe_confidence(self, top: float) -> None:
         """A plain step where the target's top probability was `top`."""
@@ -77,7 +118,7 @@ class Acceptance:
         self.judged *= DECAY
         self.sure = [DECAY * x for x in self.sure]
         self.steps = [DECAY * x for x in self.steps]
-        for counts in self.later:
+        for counts in (*self.later, *self.siblings):
             counts[0] *= DECAY
             counts[1] *= DECAY
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..drafters import is_free
+from .. import tree
+from ..drafters import grows_trees, is_free
 from ..drafters.probe import CostProbe
 from ..drafters.protocol import Drafter, available, behind
 from .choice import Scheduler
@@ -26,7 +27,10 @@ class AutoGamma:
         sampled: bool,
         keep: Callable[[], None] = lambda: None,
         costs_at: Callable[[int], dict[str, Costs]] | None = None,
+        trees: int = 0,
     ):
+        """`trees`: the most nodes of a tree a round may draft, where a drafter grows trees
+        (0: chains only)."""
         self.keep = keep  # saves what was learnt (the Session's costs)
         self.drafters, self.schedulers = drafters, schedulers
         # each drafter's costs in a band of context length (costs.context_band), where
@@ -34,8 +38,8 @@ class AutoGamma:
         self.costs_at, self.band = costs_at, None
         self.probe = CostProbe()
         self.helpers: list[Drafter] = [self.probe]
-        for scheduler in schedulers.values():
-            scheduler.start_call(sampled=sampled)
+        for d in drafters:
+            schedulers[d.name].start_call(sampled, trees if grows_trees(d) else 0)
         # Plain rounds forecast acceptance for drafters that cost a pass (lookup's is its
         # match, not the target's confidence).
         self.forecast = [schedulers[d.name] for d in drafters if not is_free(d)]
@@ -71,12 +75,12 @@ class AutoGamma:
                 # keep it out for good (cost probes never run it otherwise)
             return Plan(self.probe, choice.gamma, predicted_tps=choice.predicted_tps)
         if scheduler.free_drafts:
-            return Plan(drafter, min(offer, choice.gamma), predicted_tps=choice.predicted_tps)
+            gamma = choice.gamma if choice.tree else min(offer, choice.gamma)
+            return Plan(drafter, gamma, predicted_tps=choice.predicted_tps, tree=choice.tree)
         alpha = scheduler.acceptance.alpha if scheduler.acceptance.seen else None
         go_on = scheduler.keep_drafting
-        return Plan(
-            drafter, choice.gamma, go_on, choice.predicted_tps, scheduler.draft_ratio, alpha
-        )
+        ratio = scheduler.draft_ratio
+        return Plan(drafter, choice.gamma, go_on, choice.predicted_tps, ratio, alpha, choice.tree)
 
     def observe(self, r: RoundSummary) -> None:
         self.rounds += 1
@@ -91,6 +95,9 @@ class AutoGamma:
         if r.timed_draft_s is not None:
             scheduler.costs.observe_draft(r.timed_draft_s)
         g, n = r.drafted, r.accepted
+        if r.parents is not None:
+            scheduler.record_tree(g, r.verify_s, tree.walk(r.parents, r.path))
+            return
         costly = r.plan.drafter is not self.probe and not scheduler.free_drafts
         tops = judged = None
         if costly:  # what the target's and the draft's confidence said, draft by draft

@@ -29,6 +29,15 @@ catch-up in a call is the prompt: a draft that never drafts never takes it, so a
 prompt with a short reply is decoded plain (or by prompt lookup, which takes nothing).
 Its replay on synthetic texts: bench/results/ARCHIVE.md, 'schedule_sim.py'.
 
+Where the call allows trees and the drafter grows them, each round also prices the best
+tree of each size up to the call's limit (trees.py: the greedy tree under Sequoia's
+positional acceptance, this text's α per depth and its later siblings' acceptance) on
+the same costs: its draft passes (one per level, as wide as the nodes run there) and one
+verify over its nodes. A tree is drafted where it beats the best chain: where T(k) is
+flat (a GPU, AMX, AVX-512 for small k) the extra candidates cost about nothing; where
+it grows steeply (an AVX2 CPU, ~0.45 T(1) a token) a chain's next draft is worth more
+than any sibling, and chains are kept.
+
 Within a round the draft's own confidence decides how far it goes: after each draft
 pass, the next draft is made only while its expected yield (the chance that every draft
 so far passes, forecast from the draft's top probabilities, times the next one's α)
@@ -42,8 +51,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from math import prod
 
+from ..drafters.treedraft import pass_widths
+from ..tree import Shape
 from .acceptance import BANDS, PRIOR_ALPHA, PRIOR_WEIGHT, Acceptance, band
 from .costs import FIRST_BACKOFF, Costs
+from .trees import MAX_WIDTH, grow_shape
 
 # Prompt lookup's guess weighs more: its drafts come in bursts (a copied span passes
 # whole, then the match runs out), so one miss says little about the next match, and a
@@ -75,6 +87,7 @@ class Choice:
     # model, whose catch-up after many plain steps would cost more than the probe learns.
     cost_probe: bool = False
     predicted_tps: float = 0.0
+    tree: Shape | None = None  # a tree of `gamma` nodes in this shape, rather than a chain
 
 
 @dataclass
@@ -95,11 +108,14 @@ class Scheduler:
     # about as often as the target is sure; at T = 1 more often where it is unsure (a
     # close draft is unsure the same way); a weak draft would pass less often.
     sampling: str = "greedy"
+    trees: int = 0  # the most nodes of a tree this call may draft (0: chains only)
 
-    def start_call(self, sampled: bool = False) -> None:
+    def start_call(self, sampled: bool = False, trees: int = 0) -> None:
         """A new generate() call: a new text, whose acceptance is learnt afresh (a question
-        after code must not start from the code's α, or it drafts long rounds on prose)."""
+        after code must not start from the code's α, or it drafts long rounds on prose);
+        `trees`: the most nodes of a tree it may draft (0: chains only)."""
         self.sampling = "sampled" if sampled else "greedy"
+        self.trees = trees
         weight = LOOKUP_PRIOR_WEIGHT if self.free_drafts else PRIOR_WEIGHT
         self.acceptance = Acceptance(PRIOR_ALPHA * weight, weight, calibration=self.calibration)
         self.opening = not self.free_drafts
@@ -152,6 +168,9 @@ class Scheduler:
         rates = {g: self.rate(g) or 0.0 for g in range(self.max_gamma + 1)}
         plain = Choice(0, predicted_tps=self.tps(rates[0]))
         best = max(range(1, self.max_gamma + 1), key=rates.get)
+        shape, tree_rate = self.best_tree()
+        tree = shape if tree_rate > rates[best] else None
+        best, best_rate = (tree.nodes, tree_rate) if tree else (best, rates[best])
         # Hysteresis: starting to draft needs the forecast to win by the margin, stopping
         # needs it to lose by as much. A draft model that stops falls behind, and bringing
         # it back costs a pass over every token it missed; going on while the forecast is
@@ -160,14 +179,14 @@ class Scheduler:
         # This text's α, not only a guess: drafts seen, or the target's confidence in it.
         known = self.free_drafts or self.acceptance.seen
         missed = self.rounds_since_probe if behind is None else behind
-        if known and self.pays(rates[0], rates[best], need, remaining, missed):
+        if known and self.pays(rates[0], best_rate, need, remaining, missed):
             self.rounds_since_probe = 0
             if not self.free_drafts:
                 # The draft model pays: its cost probes start afresh when it next does not.
                 # Not for lookup, which shares the costs: its rounds reset the back-off of
                 # a draft model as costly as the target to 32 plain rounds in every reply.
                 self.costs.cost_backoff = FIRST_BACKOFF
-            return Choice(best, predicted_tps=self.tps(rates[best]))
+            return Choice(best, predicted_tps=self.tps(best_rate), tree=tree)
         self.rounds_since_probe += 1
         if self.hopeless(rates[0]):
             # Even perfect drafts would lose: only the costs are in question. Measure T(k)
@@ -192,6 +211,50 @@ class Scheduler:
             return plain
         self.rounds_since_probe = 0
         return Choice(g, predicted_tps=self.tps(rates[0]))
+
+    def best_tree(self) -> tuple[Shape | None, float]:
+        """(the tree with the most expected tokens per T(1), its rate) among the greedy
+        trees (trees.grow_shape) of 2 to `trees` nodes, for every depth up to max_gamma:
+        a deeper level costs a draft pass, a wider one only a wider verify, so the best
+        shape under a budget depends on the depth allowed as well as the scores; (None, 0)
+        where the call drafts chains, or no tree beats a chain of its own nodes."""
+        c = self.draft_ratio
+        if self.trees < 2 or c is None:
+            return None, 0.0
+        alphas = self.acceptance.by_position(self.max_gamma)
+        later = self.acceptance.sibling_alphas(MAX_WIDTH - 1)
+        # T(k)/T(1) for every k a tree here can verify or run (read once: this is priced
+        # every round, on the path from one pass to the next)
+        ratio = [0.0, *(self.costs.ratio(k) for k in range(1, self.trees + 2))]
+        carry = c * ((ratio[2] or 2.0) - 1)
+        best, best_rate, best_deep = None, 0.0, 0
+        for deep in range(1, self.max_gamma + 1):
+            # The best rate rises with the depth allowed, then falls (each level costs a
+            # pass and adds ever smaller scores): stop after the first depth that adds
+            # nothing.
+            if best_deep and best_deep < deep - 1:
+                break
+            parents, scores = grow_shape(alphas[:deep], later, self.trees)
+            depth: list[int] = []
+            at = [0] * deep  # nodes at each depth
+            tokens, inner = 1.0, 0.0  # 1 + every score; the scores of nodes with children
+            chain, parted = True, set()
+            for n, (parent, score) in enumerate(zip(parents, scores, strict=True), 1):
+                depth.append(1 if parent < 0 else depth[parent] + 1)
+                at[depth[-1] - 1] += 1
+                tokens += score
+                if parent >= 0 and parent not in parted:  # no longer a leaf
+                    parted.add(parent)
+                    inner += scores[parent]
+                chain = chain and parent == n - 2
+                verify = ratio[n + 1]
+                if chain or verify is None:
+                    continue
+                draft = c * sum(ratio[w] or w for w in pass_widths([a for a in at if a]))
+                rate = tokens / (draft + carry * (tokens - 1 - inner) + verify)
+                if rate > best_rate:
+                    best, best_rate, best_deep = parents[:n], rate, deep
+        return (None if best is None else Shape(tuple(best))), best_rate
 
     def pays(
         self, plain: float, best: float, need: float, remaining: int | None, behind: int
@@ -267,6 +330,14 @@ class Scheduler:
             self.acceptance.observe(g, n)
             if not self.free_drafts and passes:
                 self.costs.observe_draft(draft_s / passes)
+
+    def record_tree(self, g: int, verify_s: float, walk: list[tuple[int, int]]) -> None:
+        """A finished tree round of g nodes: its verify is a pass over g + 1 tokens like a
+        chain's; what it teaches of acceptance is its walk (tree.walk). Its draft time is
+        no figure of a one-token pass (its levels run several nodes each)."""
+        self.costs.observe_target(g + 1, verify_s)
+        self.drafting += 1
+        self.acceptance.observe_tree(walk)
 
     def calibrate(self, tops: list[float], n: int, whose: str = TARGET) -> None:
         """Teach the calibration what the target's confidence said at each judged draft

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..drafters.protocol import Drafter, GoOn
+from ..tree import Shape
 
 
 @dataclass
@@ -19,6 +20,9 @@ class Plan:
     # pass (None until measured), and this text's forecast α (None until seen).
     draft_ratio: float | None = None
     alpha: float | None = None
+    # A tree within this shape rather than a chain (`gamma`: its nodes), where the drafter
+    # grows trees (drafters.grows_trees).
+    tree: Shape | None = None
 
 
 @dataclass
@@ -40,6 +44,10 @@ class RoundSummary:
     first: bool = False  # a Session's first proposal from this drafter (one-time work)
     timed_draft_s: float | None = None  # a draft pass a cost probe re-timed
     tree_as_chain: bool = False  # a tree verified by its first path (Verdict)
+    # A tree verified whole: its parents (specmlx.tree) and the accepted nodes (Verdict);
+    # None for a chain.
+    parents: list[int] | None = None
+    path: list[int] = field(default_factory=list)
     # The target's top probability at the round's first k judged positions, read when
     # asked (Verdict.tops): the policy's forecast of acceptance.
     target_tops: Callable[[int], list[float]] = field(default=lambda k: [])
