@@ -24,13 +24,13 @@ HELP = """\
 /reset                 forget the conversation and clear both KV caches
 /stats                 totals for this conversation, and since chat started
 /set                   show the settings
-/set NAME VALUE        NAME: temperature, top_p, top_k, gamma, max_tokens, system
+/set NAME VALUE        NAME: temperature, top_p, top_k, gamma, tree, max_tokens, system
 /draft on|off          speculative decoding on or off
 /exit                  quit (also /bye, Ctrl-D)
 \"\"\"                    start or end a multi-line message
 Ctrl-C stops a reply; the conversation keeps what was shown."""
 
-SETTING_NAMES = ("temperature", "top_p", "top_k", "gamma", "max_tokens", "system")
+SETTING_NAMES = ("temperature", "top_p", "top_k", "gamma", "tree", "max_tokens", "system")
 
 
 @dataclass
@@ -57,6 +57,7 @@ class Settings:
     draft_on: bool
     draft_mode: str = "model"
     sampling: str | None = None  # None: settings.DEFAULT_SAMPLING
+    tree: int | str = "auto"  # settings.parse_tree's
 
 
 @app.command()
@@ -71,6 +72,7 @@ def chat(
     gamma: str = options.Gamma,
     draft_mode: str | None = options.DraftMode,
     sampling: str | None = options.Sampling,
+    tree: str = options.Tree,
     seed: int = options.Seed,
     dtype: str = options.Dtype,
     cpu_weights: str = options.CpuWeights,
@@ -81,7 +83,7 @@ def chat(
 ) -> None:
     """Chat with a model, speculatively when a draft is given; /help lists the commands."""
     num_draft = options.check_settings(
-        max_tokens, temperature, top_p, top_k, gamma, draft_mode, sampling
+        max_tokens, temperature, top_p, top_k, gamma, draft_mode, sampling, tree
     )
     options.check_quiet_verbose(quiet, verbose)
     stops = stream.check_stops(stop)
@@ -103,6 +105,7 @@ def chat(
     from ..drafters import check_exact, default_mode
     from ..engine import Session
     from ..loading import backend
+    from ..settings import parse_tree
 
     draft_mode = draft_mode or default_mode(drafter is not None)
     check_exact(target, drafter, draft_mode, num_draft)
@@ -121,6 +124,7 @@ def chat(
         drafter is not None,
         draft_mode,
         sampling,
+        parse_tree(tree),
     )
     shown = Shown(stops, quiet, verbose, err)
     convo = Conversation(system=system)
@@ -185,6 +189,7 @@ def reply(
             num_draft=settings.gamma if settings.draft_on else 0,
             draft_mode=settings.draft_mode,
             sampling=settings.sampling,
+            tree=settings.tree,
             draft=session.draft if settings.draft_on else None,
             session=session,
             max_tokens=min(settings.max_tokens, room),
@@ -286,6 +291,7 @@ def summed(replies: list):
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 if f.name not in (
                     "gamma",
+                    "tree",
                     "ttft",
                     "predicted_tps",
                     "draft_ratio",
@@ -330,7 +336,7 @@ def run_command(line: str, session, settings: Settings, convo, totals, note) -> 
 
 def change_setting(arg: str, settings: Settings, convo: Conversation, note) -> None:
     """`/set NAME VALUE`, validated the same way as the command-line flags."""
-    from ..settings import check_settings, parse_gamma
+    from ..settings import check_settings, parse_gamma, parse_tree
 
     if not arg:
         shown = {
@@ -338,6 +344,7 @@ def change_setting(arg: str, settings: Settings, convo: Conversation, note) -> N
             "top_p": settings.top_p,
             "top_k": settings.top_k,
             "gamma": settings.gamma if settings.draft_on else f"{settings.gamma} (draft off)",
+            "tree": settings.tree,
             "max_tokens": settings.max_tokens,
             "system": convo.system or "",
         }
@@ -355,6 +362,8 @@ def change_setting(arg: str, settings: Settings, convo: Conversation, note) -> N
         raise SpecmlxError(f"/set {name} needs a value")
     if name == "gamma":
         settings.gamma = parse_gamma(value)  # the flag's rule, its maximum included
+    elif name == "tree":
+        settings.tree = parse_tree(value)  # the flag's rule
     else:
         kind = float if name in ("temperature", "top_p") else int
         try:

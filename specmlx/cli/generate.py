@@ -37,6 +37,7 @@ def generate(
     gamma: str = options.Gamma,
     draft_mode: str | None = options.DraftMode,
     sampling: str | None = options.Sampling,
+    tree: str = options.Tree,
     seed: int = options.Seed,
     dtype: str = options.Dtype,
     cpu_weights: str = options.CpuWeights,
@@ -56,7 +57,7 @@ def generate(
 ) -> None:
     """Generate a reply to one prompt, speculatively when a draft is given."""
     num_draft = options.check_settings(
-        max_tokens, temperature, top_p, top_k, gamma, draft_mode, sampling
+        max_tokens, temperature, top_p, top_k, gamma, draft_mode, sampling, tree
     )
     options.check_quiet_verbose(quiet, verbose)
     if as_json and as_jsonl:
@@ -117,6 +118,7 @@ def generate(
             num_draft=num_draft,
             draft_mode=draft_mode,
             sampling=sampling,
+            tree=tree,
             draft=drafter,
             max_tokens=min(max_tokens, room),
             temperature=temperature,
@@ -167,6 +169,7 @@ def generate(
                 "top_p": top_p,
                 "top_k": top_k,
                 "gamma": num_draft,
+                "tree": stats.tree,
                 "seed": seed,
                 "stop": stops,
                 "dtype": target.dtype,

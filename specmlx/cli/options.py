@@ -10,7 +10,7 @@ import typer
 
 from .. import drafters
 from ..errors import SpecmlxError
-from ..settings import DEFAULT_SAMPLING, MAX_GAMMA
+from ..settings import DEFAULT_SAMPLING, MAX_GAMMA, MAX_TREE
 
 Model = typer.Option(
     None, "--model", "-m", help="Target model: directory, hub id, or tiny (random demo pair)."
@@ -46,6 +46,16 @@ Sampling = typer.Option(
     "passing where it equals the target's own draw: a seed gives one reply, the same as "
     "--no-draft's, whatever the rounds). Default: " + DEFAULT_SAMPLING + ".",
     show_default=False,
+)
+Tree = typer.Option(
+    "auto",
+    "--tree",
+    help="Trees of drafts (several candidates where the drafter is unsure, verified in one "
+    f"pass, exactly at any temperature): auto (with auto gamma, a tree of up to {MAX_TREE} "
+    "nodes in the rounds where the measured cost of verifying more tokens and this text's "
+    "acceptance make it beat a chain; chains with a fixed gamma), off (chains), or N from 2 "
+    f"to {MAX_TREE} (at most N drafted nodes a round; with a fixed gamma, N nodes gamma deep "
+    "every round).",
 )
 DraftMode = typer.Option(
     None,
@@ -95,10 +105,13 @@ def check_settings(
     gamma: str,
     draft_mode: str | None,
     sampling: str | None = None,
+    tree: str = "auto",
 ) -> int | str:
     """Validate the generation flags before anything slow is loaded; return γ parsed."""
     from ..settings import check_settings as check
+    from ..settings import parse_tree
 
+    parse_tree(tree)
     return check(max_tokens, temperature, top_p, top_k, gamma, draft_mode, sampling)[1]
 
 

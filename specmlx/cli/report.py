@@ -177,6 +177,9 @@ def stats_line(stats, plain: str = "plain decoding", stopped: bool = False) -> s
             f"γ {gamma_shown(stats)}",
             f"verify/draft {stats.verify_time:.2f}/{stats.draft_time:.2f} s",
         ]
+        if stats.tree_rounds:  # how many rounds drafted trees, and how large
+            mean = stats.tree_nodes / stats.tree_rounds
+            parts.append(f"trees in {counted(stats.tree_rounds, 'round')} ({mean:.1f} nodes)")
     else:
         parts.append(plain)
     if stopped:

@@ -46,11 +46,13 @@ def check_stops(stops: list[str] | None) -> list[str]:
 
 def round_notes(stats, note: Callable[[str], None]) -> Callable[[], None]:
     """A function to call after each step and once at the end: it notes every round finished
-    since its last call (γ used, drafts accepted, where they came from, draft and verify
-    times), from the differences in the Stats the engine fills in round by round."""
+    since its last call (γ used, or a tree's size and the shape the policy chose, drafts
+    accepted: the accepted length, where they came from, draft and verify times), from
+    the differences in the Stats the engine fills in round by round."""
     last = {"passes": 0, "accepted": 0, "draft_s": 0.0, "verify_s": 0.0}
     last_gamma: dict[int, int] = {}
     last_source: dict[str, int] = {}
+    last_shape: dict[str, int] = {}
 
     def grown(now: dict, before: dict) -> list:
         return [key for key, n in now.items() if n > before.get(key, 0)]
@@ -64,8 +66,10 @@ def round_notes(stats, note: Callable[[str], None]) -> Callable[[], None]:
         sources = "/".join(grown(stats.rounds_by_source, last_source))
         drafted = sum(g * (n - last_gamma.get(g, 0)) for g, n in stats.rounds_by_gamma.items())
         label = f"round {passes}" if rounds == 1 else f"rounds {last['passes'] + 1}-{passes}"
+        shapes = "/".join(grown(stats.rounds_by_shape, last_shape))
+        size = f"tree {shapes} = {gammas} nodes" if shapes else f"γ {gammas}"
         note(
-            f"{label}: γ {gammas} ({sources}) · accepted {stats.accepted - last['accepted']}"
+            f"{label}: {size} ({sources}) · accepted {stats.accepted - last['accepted']}"
             f"/{drafted} · draft {(stats.draft_time - last['draft_s']) * 1e3:.1f} ms · "
             f"verify {(stats.verify_time - last['verify_s']) * 1e3:.1f} ms"
         )
@@ -77,5 +81,6 @@ def round_notes(stats, note: Callable[[str], None]) -> Callable[[], None]:
         )
         last_gamma.update(stats.rounds_by_gamma)
         last_source.update(stats.rounds_by_source)
+        last_shape.update(stats.rounds_by_shape)
 
     return notes
