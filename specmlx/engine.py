@@ -72,14 +72,12 @@ class Stats:
     tree_rounds: int = 0  # rounds that verified a tree whole
     tree_nodes: int = 0  # the drafts those trees held (their verifies' rows but the root's)
     rounds_by_shape: dict[str, int] = field(default_factory=dict)  # trees by the shape chosen
-    rounds_by_accepted: dict[int, int] = field(default_factory=dict)  # drafting rounds by
-    # the drafts accepted (a tree's: the depth of its accepted path)
+    rounds_by_accepted: dict[int, int] = field(default_factory=dict)  # by drafts accepted
     decode_time: float = 0.0  # first round to last token, seconds
     ttft: float = 0.0  # call to first emitted token, seconds
     finish_reason: str = ""  # "eos" | "length"
     eos: int = 0  # 1 where the target produced an EOS (never emitted, but a pass made it)
-    # Per position after the last emitted token: rounds that drafted there (a tree: any
-    # node at that depth) and rounds whose accepted drafts reached it.
+    # Rounds that drafted at each position (a tree: a node at that depth), and that kept it
     accepted_by_position: list[int] = field(default_factory=list)
     drafted_by_position: list[int] = field(default_factory=list)
 
@@ -346,14 +344,11 @@ def generate(
     sampling: at temperature > 0, "rejection" (modified rejection sampling) or "coupled"
     (every position's randomness keyed by (seed, position): one text per seed, whatever
     the rounds, equal to the target alone's); None: settings.DEFAULT_SAMPLING.
-    tree: "auto" (the default: with auto γ, a drafter that can draft trees (the draft
-    model, prompt lookup) drafts one of up to settings.MAX_TREE nodes in a round where
-    the measured cost curve and this text's acceptance make it beat the best chain; with
-    a fixed γ, chains), "off" (chains only), or an int N from 2 to MAX_TREE (auto γ: trees
-    of at most N nodes where they pay; fixed γ: a tree of N nodes, γ deep, every round).
-    A tree is verified whole in one pass at any temperature, exactly; on a recurrent
-    target, by its first path (Stats.trees_as_chains). The text (or "off"/"auto") as a
-    user typed it is accepted too: settings.parse_tree checks it, one line on a bad value.
+    tree: "auto" (the default: with auto γ, a tree of up to settings.MAX_TREE nodes from a
+    drafter that grows them (draft model, lookup) where the measured costs and this text's
+    acceptance make it beat the best chain; with a fixed γ, chains), "off", or N in
+    2..MAX_TREE (auto γ: trees of at most N nodes; fixed γ: N nodes, γ deep, every round),
+    or its text (settings.parse_tree: one line on a bad value). Exact at any temperature.
     on_prefill: called with (tokens done, tokens in all) as the target takes the prompt,
     chunk by chunk (see caches.prefill); not called when the caches already hold it.
     """
@@ -497,9 +492,8 @@ def _prefill(
 
 
 def _propose(plan, asked: int, keys: mx.array, draw) -> Proposal:
-    """The planned drafter's proposal of at most `asked` drafts: a tree where the plan
-    has one (its shape cut to `asked` nodes: each prefix of a planned shape is the best
-    tree of its size, policy.trees), else a chain."""
+    """The planned drafter's proposal of at most `asked` drafts: a tree where the plan has
+    one (cut to `asked` nodes: a planned shape's prefix is the best of its size), else a chain."""
     if plan.tree is None:
         proposal = plan.drafter.propose(asked, keys, draw, plan.go_on)
     else:

@@ -67,46 +67,50 @@ def grow(
             dist = softmax(logits[:, :width].astype(mx.float32))
         else:
             dist = mx.concatenate([probs for probs, _ in rows])
-        best = mx.argpartition(-dist, shape.width - 1, axis=-1)[:, : shape.width]
-        top = np.array(mx.take_along_axis(dist, best, axis=-1))
-        order = np.argsort(-top, axis=-1, kind="stable")
-        best, top = (
-            np.take_along_axis(np.array(best), order, -1),
-            np.take_along_axis(top, order, -1),
-        )
+        best, top = _top(dist, shape.width)
         above = [1.0 if v < 0 else value[v] for v in feed]
-        # A rank without probability (top-k or top-p cut the rest) gets no child: there
-        # is nothing left to draw it from.
-        slots = sorted(
-            (-above[i] * top[i, r], i, r)
-            for i in range(len(feed))
-            for r in range(shape.width)
-            if top[i, r] > 0
-        )[:room]
-        counts = [sum(1 for _, i, _ in slots if i == row) for row in range(len(feed))]
         extra = mx.random.split(keys[depth], shape.width)
         level = []
-        for i, (parent, count) in enumerate(zip(feed, counts, strict=True)):
+        for i, count in enumerate(_shares(above, top, room)):
             if not count:
                 continue
             if greedy:
-                drawn = [int(t) for t in best[i, :count]]
-                made = [(t, None, above[i] * float(p)) for t, p in zip(drawn, top[i], strict=False)]
+                picked = zip(best[i, :count], top[i, :count], strict=True)
+                made = [(int(t), None, above[i] * float(p)) for t, p in picked]
             else:
                 made = _without_replacement(rows[i], count, extra, above[i])
             for token, q, path_value in made:
                 level.append(len(tokens))
                 tokens.append(token)
-                parents.append(parent)
+                parents.append(feed[i])
                 qs.append(q)
                 value.append(path_value)
         if depth + 1 == len(at_depth) or not level:
             break
-        ranked = sorted(level, key=lambda j: (-value[j], j))[: at_depth[depth + 1]]
-        feed = sorted(ranked)
+        feed = sorted(sorted(level, key=lambda j: (-value[j], j))[: at_depth[depth + 1]])
         logits = step(feed, tokens, parents)
     q = None if qs[0] is None else mx.stack(qs)
     return Proposal(mx.array(tokens, mx.uint32), q, parents)
+
+
+def _top(dist: mx.array, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, probabilities) (rows, k): each row's k most probable, most probable first
+    (read on the host: the level's one sync)."""
+    best = mx.argpartition(-dist, k - 1, axis=-1)[:, :k]
+    top = np.array(mx.take_along_axis(dist, best, axis=-1))
+    order = np.argsort(-top, axis=-1, kind="stable")
+    return np.take_along_axis(np.array(best), order, -1), np.take_along_axis(top, order, -1)
+
+
+def _shares(above: list[float], top: np.ndarray, room: int) -> list[int]:
+    """How many children each node run at this level gets: the `room` best offers, an
+    offer being a node's path probability (`above`) times one of its top probabilities.
+    A rank without probability (top-k or top-p cut the rest) gets no child: there is
+    nothing left to draw it from."""
+    offers = sorted(
+        (-above[i] * p, i) for i in range(len(above)) for p in top[i].tolist() if p > 0
+    )[:room]
+    return [sum(1 for _, i in offers if i == row) for row in range(len(above))]
 
 
 def _without_replacement(row: tuple, count: int, keys: mx.array, above: float) -> list[tuple]:
