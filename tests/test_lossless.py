@@ -7,11 +7,8 @@ over every possible first token). Chi-square at significance 0.001 with cells of
 expected count < 5 merged. A draft that is the target itself, a perturbed copy and an
 unrelated model are each tried at T = 1.0 and at T = 0.7 with top-p 0.9, under modified
 rejection sampling; coupled sampling (the default) with the perturbed draft and with
-prompt lookup; trees of drafts judged by multi-candidate rejection sampling: drawn
-without replacement by a test drafter (three candidates under the last token, two under
-the first) and grown by the perturbed draft model (six nodes, three deep). The
-control tests show the same check rejects a sampler, of either kind, that emits the
-draft's tokens unchecked, and a tree sampler that never updates its residual.
+prompt lookup (trees of drafts: test_tree_lossless.py). The control tests show the
+same check rejects a sampler, of either kind, that emits the draft's tokens unchecked.
 
 Power: with 3,000 samples the test rejects at 0.001 a sampler off by a total
 variation of ~0.1 on the main cells with probability > 0.99 (the control's deviation
@@ -29,9 +26,6 @@ from stats_util import ALPHA, chi_square_pvalue
 
 import specmlx
 from specmlx import verify
-from specmlx.drafters.protocol import Proposal
-from specmlx.drafters.treedraft import without_replacement
-from specmlx.sampling import sample
 from specmlx.tiny import build_tiny_model
 
 S = 3000
@@ -162,94 +156,3 @@ def test_the_check_rejects_a_coupled_sampler_that_trusts_the_draft(no_eos, monke
     finally:
         verify.make_verifier.cache_clear()
     assert chi_square_pvalue(counts, exact_joint(target, settings)) < ALPHA
-
-
-class SampledTree:
-    """A drafter that proposes a tree drawn without replacement: three candidates under
-    the last token from a flattened copy of the target's first distribution, two under
-    the first candidate from a flattened copy of the target's next one (so drafts pass
-    often, fail often, and later siblings decide much of the output)."""
-
-    name = "sampled-tree"
-
-    def __init__(self, joint: np.ndarray):
-        first = joint.sum(1)
-        self.q1 = self.flat(first)
-        self.q2 = self.flat(joint / np.maximum(first[:, None], 1e-30))
-
-    @staticmethod
-    def flat(p: np.ndarray) -> mx.array:
-        x = np.sqrt(p)
-        return mx.array(x / x.sum(-1, keepdims=True), mx.float32)
-
-    def start(self, context):
-        pass
-
-    def propose(self, g, keys, draw, go_on=None):
-        if g < 5:  # a later round, where the first emitted one token: one draft from q1
-            return Proposal(sample(self.q1, keys[0])[None], self.q1[None])
-        k = mx.random.split(keys[0], 5)
-        tokens, q = [], []
-        for i, (d, parent) in enumerate([(self.q1, -1)] * 3 + [(None, 0)] * 2):
-            d = self.q2[tokens[0].item()] if d is None else d
-            tried = [t for t, p in zip(tokens, PARENTS, strict=False) if p == parent]
-            row = without_replacement(d, mx.stack(tried)) if tried else d
-            tokens.append(sample(row, k[i]))
-            q.append(row)
-        return Proposal(mx.stack(tokens), mx.stack(q), PARENTS)
-
-    def commit(self, proposal, verdict):
-        return 0
-
-
-PARENTS = [-1, -1, -1, 0, 0]
-
-
-def tree_pairs(target):
-    settings = SETTINGS["T=1.0"]
-    joint = exact_joint(target, settings)
-    counts = np.zeros_like(joint)
-    session, drafter = specmlx.Session(target), SampledTree(joint)
-    for seed in range(S):
-        gen = specmlx.generate(
-            target,
-            PROMPT,
-            drafter=drafter,
-            num_draft=5,
-            max_tokens=6,  # room for the tree: a round emits at most g + 1 tokens
-            seed=seed,
-            session=session,
-            sampling="rejection",
-            **settings,
-        )
-        a, b = (step.token for step in islice(gen, 2))
-        gen.close()
-        counts[a, b] += 1
-    assert gen.stats.trees_as_chains == 0 and gen.stats.rounds_by_gamma.get(5) == 1
-    return counts, joint
-
-
-def test_trees_judged_by_multi_candidate_rejection_sampling_keep_the_target_distribution(no_eos):
-    counts, joint = tree_pairs(no_eos["target"])
-    assert chi_square_pvalue(counts, joint) > ALPHA
-
-
-def test_draft_model_trees_keep_the_target_distribution(no_eos):
-    target, settings = no_eos["target"], SETTINGS["T=1.0"]
-    kw = dict(gamma=3, max_tokens=8, sampling="rejection", tree=6, draft_mode="model")
-    counts = sampled_pairs(target, no_eos["perturbed"], settings, **kw)
-    assert chi_square_pvalue(counts, exact_joint(target, settings)) > ALPHA
-    one = specmlx.generate(
-        target, PROMPT, draft=no_eos["perturbed"], num_draft=3, max_tokens=8, **settings, tree=6
-    )
-    assert one.run().stats.tree_rounds > 0
-
-
-def test_the_check_rejects_a_tree_sampler_that_never_updates_its_residual(no_eos, monkeypatch):
-    monkeypatch.setattr(verify, "_after_rejection", lambda residual, q, rows: residual)
-    verify.make_tree_verifier.cache_clear()
-    try:
-        counts, joint = tree_pairs(no_eos["target"])
-    finally:
-        verify.make_tree_verifier.cache_clear()
-    assert chi_square_pvalue(counts, joint) < ALPHA
