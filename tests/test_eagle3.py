@@ -272,3 +272,12 @@ def test_specmlx_quantize_writes_an_int4_copy_that_generate_takes_as_a_head(eagl
     done = specmlx_run("generate", "-m", str(target.path), "-d", str(tmp_path / "q"), "-p", "def")
     assert done.returncode == 0, done.stderr
     assert "EAGLE-3 head" in done.stderr and "int4" in done.stderr
+
+
+def test_an_eagle3_head_grows_trees_that_keep_greedy_output_the_target_alones(eagle3):
+    target, _, head = eagle3("qwen2")
+    plain = specmlx.generate(target, PROMPT, max_tokens=N, num_draft=0).run()
+    gen = specmlx.generate(
+        target, PROMPT, head, max_tokens=N, num_draft=3, tree=6, draft_mode="head"
+    )
+    assert gen.run().tokens == plain.tokens and gen.stats.tree_rounds > 0

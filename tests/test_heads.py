@@ -163,3 +163,37 @@ def test_a_server_with_a_head_answers_with_the_target_alones_greedy_text(heads):
         )
     assert reply.choices[0].message.content == alone.text
     assert reply.model_extra["specmlx"]["drafted"] > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3_text"])
+def test_a_heads_trees_keep_greedy_output_the_target_alones(heads, arch):
+    target, head = heads(arch)
+    plain = specmlx.generate(target, PROMPT, max_tokens=N, num_draft=0).run()
+    gen = specmlx.generate(
+        target, PROMPT, head, max_tokens=N, num_draft=3, tree=6, draft_mode="head"
+    ).run()
+    assert gen.tokens == plain.tokens
+    assert gen.stats.tree_rounds > N // 4  # the head grew trees, and they were judged whole
+
+
+def test_a_heads_trees_keep_the_target_distribution_at_t1(tmp_path):
+    """As the chain test above, with a 5-node tree of at most 2 levels each round and
+    rejection sampling (siblings drawn without replacement): S runs, chi-square at ALPHA."""
+    target = specmlx.load(build_tiny_model(tmp_path / "target", seed=0, layers=1))
+    target.tokenizer.eos_token_ids = set()
+    save_head(new_head(target, seed=3), target, tmp_path / "head", {"steps": 0})
+    head = load_head(tmp_path / "head", target)
+    prompt, settings = [5, 17, 42, 99], dict(temperature=1.0)
+    counts, trees = np.zeros((target.vocab_size, target.vocab_size)), 0
+    session = specmlx.Session(target, head)
+    for seed in range(S):
+        gen = specmlx.generate(
+            target, prompt, head, num_draft=2, tree=5, max_tokens=8, seed=seed,
+            session=session, draft_mode="head", sampling="rejection", **settings,
+        )  # fmt: skip
+        a, b = (step.token for step in islice(gen, 2))
+        trees += gen.stats.tree_rounds
+        gen.close()
+        counts[a, b] += 1
+    assert trees > S // 2  # the first round is a tree (3 children, then 2 under the best)
+    assert chi_square_pvalue(counts, exact_joint(target, settings, prompt)) > ALPHA

@@ -244,3 +244,14 @@ def test_generate_drafts_with_the_mtp_layer_by_default_and_says_so(converted):
     assert done.returncode == 0, done.stderr
     assert f"the MTP layers in {converted.name}'s checkpoint" in done.stderr
     assert "MTP" not in plain.stderr and plain.stdout == done.stdout
+
+
+def test_an_mtp_head_grows_trees_that_keep_greedy_output_the_target_alones(loaded):
+    # DeepSeek-V3 is all attention: trees are judged whole (a hybrid target, Qwen3-Next,
+    # verifies chains: a recurrent state per branch is not built)
+    target, head = loaded("deepseek_v3")
+    plain = specmlx.generate(target, PROMPT, max_tokens=N, num_draft=0).run()
+    gen = specmlx.generate(
+        target, PROMPT, head, max_tokens=N, num_draft=3, tree=6, draft_mode="head"
+    )
+    assert gen.run().tokens == plain.tokens and gen.stats.tree_rounds > 0

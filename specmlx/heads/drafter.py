@@ -16,12 +16,16 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+from .. import tree
 from ..caches import PREFILL_STEP, common_prefix_len
 from ..cpu import softmax
 from ..drafters import Sources
 from ..drafters.protocol import Draw, GoOn, Proposal, Verdict
 from ..drafters.subvocab import SubHead
+from ..drafters.treedraft import grow
 from ..target import Features
+from ..tree import Shape
+from ..treepass import grown_mask, rope_owners, tree_pass
 from ..verify import top_probability
 from .feature import text_args
 from .head import Head
@@ -30,6 +34,7 @@ from .head import Head
 class HeadDrafter:
     name = "head"
     reads_hidden = True
+    trees = True  # its cache keeps every row in order: a tree grows in it level by level
 
     def __init__(self, head: Head, width: int):
         self.head = head
@@ -44,6 +49,10 @@ class HeadDrafter:
         self.tokens: list[int] = []  # their next tokens
         self.drafted = 0  # rows its last proposal fed of its own drafts
         self.proposals = 0
+        # A tree being grown (treedraft.grow): where its rows start in the cache, the nodes
+        # run so far, and each one's output feature (-1: the last emitted token's row).
+        self.tree_start, self.tree_fed, self.tree_features = 0, [], {}
+        self.owners: list | None = None  # the head's attention layers, where positions go
 
     @property
     def cost_id(self) -> str:
@@ -81,12 +90,27 @@ class HeadDrafter:
     def interrupted(self) -> None:
         """Its cache trims exactly: the next start aligns it."""
 
-    def propose(self, g: int, keys: mx.array, draw: Draw, go_on: GoOn | None = None) -> Proposal:
+    def propose(
+        self,
+        g: int,
+        keys: mx.array,
+        draw: Draw,
+        go_on: GoOn | None = None,
+        tree: Shape | None = None,
+    ) -> Proposal:
+        """g drafts and their q, lazily, as the draft model's (drafters/model.py); with a
+        `tree` shape, a tree within it (treedraft.grow: a head pass per level)."""
         self.proposals += 1
         features = mx.concatenate(self.waiting) if len(self.waiting) > 1 else self.waiting[0]
         x = mx.array(self.tokens, mx.uint32)
         self.text += self.tokens
         self.waiting, self.tokens = [], []
+        if tree is not None:
+            fed_back, out = self._run(x, features)
+            self.tree_start, self.tree_fed = self._rows(), []
+            self.tree_features = {-1: fed_back[0, -1:]}
+            root = self._every_logits(out[0, -1:])
+            return grow(root, self._tree_step, tree, keys, draw, self.width)
         tokens, qs, tops = [], [], []
         for i, k in enumerate(keys[:g]):
             features, logits, probs, token = self.step(x, features, k, draw)
@@ -109,7 +133,7 @@ class HeadDrafter:
         (the last row's output feature (1, D), logits, the distribution drawn from or
         None when greedy, the token drawn (1,))."""
         head = self.head
-        fed_back, out = head.module(head.embed(x[None]), features[None], self.cache[0])
+        fed_back, out = self._run(x, features)
         logits = head.logits(out[:, -1, :])
         if self.sub is None:
             return (fed_back[0, -1:], logits, *draw(logits, key))
@@ -118,10 +142,37 @@ class HeadDrafter:
         probs, index = draw(logits, key)
         return fed_back[0, -1:], logits, probs, self.sub.token(index)
 
+    def _tree_step(self, feed: list[int], tokens: list[int], parents: list[int]) -> mx.array:
+        """treedraft's Step: the nodes `feed`, each from its parent's output feature, at
+        its depth's position, seeing the context's rows and its ancestors'."""
+        depths, ancestry = tree.depths(parents), tree.ancestry(parents)
+        nodes = self.tree_fed + feed
+        positions = [self.tree_start - 1 + depths[j] for j in nodes]
+        seen = mx.array([[ancestry[j + 1][k + 1] for k in nodes] for j in feed])
+        at = [p - self.tree_start - len(self.tree_fed) for p in positions[len(self.tree_fed) :]]
+        if self.owners is None:  # the modules do not change: walk them once
+            self.owners = rope_owners(self.head.module)
+        features = mx.concatenate([self.tree_features[parents[j]] for j in feed])
+        x = mx.array([tokens[j] for j in feed], mx.uint32)
+        mask = grown_mask(self.tree_start, positions, seen, mx.float32)
+        with tree_pass(self.cache, self.owners, [mask], at):
+            fed_back, out = self._run(x, features)
+        for i, j in enumerate(feed):
+            self.tree_features[j] = fed_back[0, i : i + 1]
+        self.tree_fed = nodes
+        return self._every_logits(out[0])
+
+    def _every_logits(self, out: mx.array) -> mx.array:
+        """Logits (L, V') of output rows over the full vocabulary (-inf outside a
+        sub-vocabulary's ids)."""
+        logits = self.head.logits(out)
+        return logits if self.sub is None else self.sub.widen_logits(logits)
+
     def commit(self, proposal: Proposal | None, verdict: Verdict) -> int:
         if proposal is not None:
-            self._trim(self.drafted)  # its own drafts' rows: the target's features replace them
-            self.drafted = 0
+            # its own drafts' rows, a chain's or a tree's: the target's features replace them
+            self._trim(self.drafted if proposal.is_chain else len(self.tree_fed))
+            self.drafted, self.tree_fed, self.tree_features = 0, [], {}
         if verdict.hidden is not None:
             self.waiting.append(verdict.hidden)
             self.tokens += verdict.emitted
@@ -145,10 +196,14 @@ class HeadDrafter:
         for at in range(0, n, PREFILL_STEP):
             x = mx.array(tokens[at : at + PREFILL_STEP], mx.uint32)
             rows = features[at : at + x.size]
-            self.head.module(self.head.embed(x[None]), rows[None], self.cache[0])
+            self._run(x, rows)
             mx.eval(self.cache[0].state)
         self.text += tokens
         self.waiting, self.tokens = [features[n:]], self.tokens[n:]
+
+    def _run(self, x: mx.array, features: mx.array) -> tuple[mx.array, mx.array]:
+        """A head pass over tokens x (L,) and their rows' features (L, F), lazily."""
+        return self.head.module(self.head.embed(x[None]), features[None], self.cache[0])
 
     def _rows(self) -> int:
         return self.cache[0].offset
