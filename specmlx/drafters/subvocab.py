@@ -133,13 +133,13 @@ def sub_head(model: Model, ids: mx.array, width: int) -> SubHead:
     return SubHead(ids, width, rows, tied)
 
 
-def draft_size(model: Model) -> int | None:
+def draft_size(model: Model, default: int | None = DEFAULT_SIZE) -> int | None:
     """The sub-vocabulary size for this draft model, None for the full head: $SPECMLX_DRAFT_VOCAB
-    (a number of tokens, or "full"), else DEFAULT_SIZE, where the head can be cut."""
+    (a number of tokens, or "full"), else `default`, where the head can be cut."""
     text = os.environ.get(ENV, "").strip().lower()
-    if text == "full" or (not text and DEFAULT_SIZE is None):
+    if text == "full" or (not text and default is None):
         return None
-    size = DEFAULT_SIZE if not text else int(text) if text.isdigit() else 0
+    size = default if not text else int(text) if text.isdigit() else 0
     if size < 1:
         raise SpecmlxError(
             f"{ENV}={os.environ[ENV]!r} is not a number of tokens; "

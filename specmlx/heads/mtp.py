@@ -47,7 +47,7 @@ from ..loading import Model
 from ..mlxlm import MODEL_REMAPPING
 from ..safetensors import read_header
 from .feature import FeatureHead
-from .head import Head, ready, target_rows
+from .head import Head, head_vocab, ready, target_rows
 
 MTP_FILE = "mtp.safetensors"  # where `specmlx quantize` keeps them
 LAYER_0 = "model.layers.0."  # what the layer's keys are renamed to for the target's sanitize
@@ -325,7 +325,7 @@ def load_mtp(target: Model) -> Head:
     weights = read({name: stored[name] for name in found.keys})
     module = build(target.module, config, weights, target.name)
     ready(module, target)
-    head = Head(module, *target_rows(target), target, "MTP", target.path)
+    head = Head(module, *target_rows(target, head_vocab(target)), target, "MTP", target.path)
     head.info["weights_s"] = time.perf_counter() - start
     return head
 

@@ -22,7 +22,7 @@ from ..errors import SpecmlxError
 from ..loading import Model
 from . import HEAD_FORMAT
 from .feature import new_head
-from .head import Head, ready, target_rows
+from .head import Head, head_vocab, ready, target_rows
 
 WEIGHTS = "head.safetensors"
 SAMPLES = 16  # spans of each weights file read into the target's hash
@@ -58,6 +58,7 @@ def save_head(module: nn.Module, target: Model, out: Path, trained: dict) -> Non
             "model_type": target.config.get("model_type"),
             "weights_id": weights_id(target.path),
         },
+        "vocab": head_vocab(target),  # its sub-vocabulary's size, as trained (None: whole)
         "trained": trained,
     }
     weights = {k: v.astype(mx.float32) for k, v in tree_flatten(module.parameters())}
@@ -95,6 +96,6 @@ def load_head(path: Path, target: Model) -> Head:
             f"cannot read the head's weights in {path} ({e}); train it again"
         ) from None
     ready(module, target)
-    head = Head(module, *target_rows(target), target, "specmlx", path)
+    head = Head(module, *target_rows(target, config.get("vocab")), target, "specmlx", path)
     head.info["weights_s"] = time.perf_counter() - start
     return head

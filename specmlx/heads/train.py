@@ -50,7 +50,7 @@ from ..lm_head import cuttable
 from ..loading import Model
 from .corpus import Data, Report, Sources, cache_features, prepare, work_dir, write_json
 from .feature import new_head, text_args
-from .head import target_rows
+from .head import head_vocab, target_rows
 from .store import save_head, weights_id
 
 FORMAT = 1  # of the work dir; a change makes old ones start over
@@ -153,7 +153,7 @@ def output_rows(target: Model) -> tuple[mx.array, mx.array]:
     target's output head cut to the head's sub-vocabulary (target_rows), dequantized
     once so that the training's matmuls run on the BLAS (and have a gradient, which the
     native kernel's do not); rows past the tokenizer's vocabulary (padding) left out."""
-    rows, _, ids = target_rows(target)
+    rows, _, ids = target_rows(target, head_vocab(target))
     if isinstance(rows, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
         weight = mx.dequantize(
             rows["weight"],
@@ -420,7 +420,7 @@ class Interrupts:
 def fingerprints(target: Model, sources: Sources, settings: Settings) -> dict:
     """What the work dir's contents depend on: the data (target, files, how they are
     collected and cut) and, beyond it, the training (--minutes only says when to stop)."""
-    _, _, ids = target_rows(target)
+    _, _, ids = target_rows(target, head_vocab(target))
     vocab = None if ids is None else hashlib.sha256(np.array(ids).tobytes()).hexdigest()
     data = {
         "format": FORMAT,
