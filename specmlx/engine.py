@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from . import drafters as registry
+from . import processors
 from . import tree as trees
 from .drafters.protocol import Drafter, Proposal, Verdict, cost_id, interrupted
 from .errors import SpecmlxError
@@ -27,8 +28,16 @@ from .loading import Model, backend, check_pair
 from .policy import AutoGamma, FixedGamma, Policy, RoundSummary, load_costs, save_costs
 from .policy.choice import Scheduler
 from .policy.costs import Costs, band_start, from_shorter
+from .processors import Processor
 from .sampling import SamplingParams, position_keys
-from .settings import MAX_GAMMA, check_seed, check_settings, parse_tree, tree_nodes
+from .settings import (
+    MAX_GAMMA,
+    check_processing,
+    check_seed,
+    check_settings,
+    parse_tree,
+    tree_nodes,
+)
 from .stats import Stats
 from .target import Target, kernels
 
@@ -41,6 +50,22 @@ class Step:
     token: int  # the emitted token id
     text: str  # the text this token adds (may be "" while a multi-byte char is incomplete)
     from_draft: bool  # an accepted draft token (True) or the target's own sample (False)
+    # With generate(logprobs=k): the token's log-probability under the target's processed
+    # logits (before temperature, top-k, top-p) and the k most likely (id, log-probability)
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What one generate() call asks, beside its models and policy."""
+
+    ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    seed: int
+    processor: Processor | None = None
+    logprobs: int | None = None
 
 
 def encode_prompt(model: Model, prompt: str | list[int]) -> list[int]:
@@ -218,6 +243,10 @@ def generate(
     seed: int = 0,
     session: Session | None = None,
     on_prefill: Callable[[int, int], None] | None = None,
+    logit_bias: dict[int, float] | None = None,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    logprobs: int | None = None,
 ) -> Generation:
     """Generate from `target`, speculatively when a `draft` (or a `drafter`) is given.
 
@@ -243,12 +272,18 @@ def generate(
     or its text (settings.parse_tree: one line on a bad value). Exact at any temperature.
     on_prefill: called with (tokens done, tokens in all) as the target takes the prompt,
     chunk by chunk (see caches.prefill); not called when the caches already hold it.
+    logit_bias, presence_penalty, frequency_penalty: as OpenAI's (processors.py), applied
+    to the target's logits at every position it judges: the text follows the processed
+    distribution exactly. logprobs: k (0 to settings.MAX_LOGPROBS) to give each Step its
+    log-probability and the k most likely tokens'; None (the default) for none.
     """
     params, num_draft = check_settings(
         max_tokens, temperature, top_p, top_k, num_draft, draft_mode, sampling
     )
     check_seed(seed)
     tree = parse_tree(tree)
+    check_processing(logit_bias, presence_penalty, frequency_penalty, logprobs, target.vocab_size)
+    processor = processors.make(logit_bias, presence_penalty, frequency_penalty)
     if session is None:
         session = Session(target, draft)
     elif session.model is not target or not any(draft is d for d in (None, *session.sources)):
@@ -271,7 +306,8 @@ def generate(
         gen.stats.drafters = [d.name for d in chosen]
         gen.stats.sampling = "coupled" if params.coupled else "rejection"
         try:
-            yield from _decode(session, ids, params, max_tokens, seed, policy, gen, on_prefill)
+            call = _Call(ids, params, max_tokens, seed, processor, logprobs)
+            yield from _decode(session, call, policy, gen, on_prefill)
         except GeneratorExit:  # closed between steps: the caches hold what was emitted
             raise
         except BaseException:
@@ -304,19 +340,20 @@ def _policy(
 
 def _decode(
     session: Session,
-    ids: list[int],
-    params: SamplingParams,
-    max_tokens: int,
-    seed: int,
+    call: _Call,
     policy: Policy,
     gen: Generation,
     on_prefill: Callable[[int, int], None] | None = None,
 ) -> Iterator[Step]:
     """plan → propose → verify → commit → observe, then stream the round's text."""
-    target, stats, text = session.target, gen.stats, _Text(session.model.tokenizer)
-    drafters, start = [*policy.drafters, *policy.helpers], time.perf_counter()
-    _prefill(session, ids, params, drafters, stats, on_prefill)
-    keys, last, produced, prompt_s = _Keys(seed, params.coupled), ids[-1], 0, 0.0
+    ids, max_tokens, target, stats = call.ids, call.max_tokens, session.target, gen.stats
+    text, drafters = (
+        _Text(session.model.tokenizer, call.logprobs),
+        [*policy.drafters, *policy.helpers],
+    )
+    start = time.perf_counter()
+    _prefill(session, call, drafters, stats, on_prefill)
+    keys, last, produced, prompt_s = _Keys(call.seed, call.params.coupled), ids[-1], 0, 0.0
     decode_start = time.perf_counter()
     plan = policy.plan(max_tokens, len(ids))
     asked = min(plan.gamma, max_tokens - 1)  # a fully accepted round emits γ + 1 tokens
@@ -347,7 +384,7 @@ def _decode(
             asked = min(plan.gamma, left - 1)
         target.next_round(more and asked == 0, last, keys.plain(produced))
         policy.while_running()  # what the policy can learn with the next pass running
-        for step in text.steps(verdict.emitted, verdict.accepted, max_tokens - stats.tokens):
+        for step in text.steps(verdict, max_tokens - stats.tokens):
             stats.tokens += 1
             if stats.tokens == 1:
                 stats.ttft = time.perf_counter() - start
@@ -364,17 +401,17 @@ def _decode(
 
 def _prefill(
     session: Session,
-    ids: list[int],
-    params: SamplingParams,
+    call: _Call,
     drafters: list[Drafter],
     stats: Stats,
     on_prefill: Callable[[int, int], None] | None,
 ) -> None:
     """The Target takes the prompt but its last token (the first round's input), and every
     drafter is told the call's context."""
-    start = time.perf_counter()
+    start, ids, width = time.perf_counter(), call.ids, session.vocab_size
     stats.prompt_tokens = len(ids)
-    stats.prefill_tokens = session.target.start(ids[:-1], params, session.vocab_size, on_prefill)
+    done = session.target.start(ids[:-1], call.params, width, on_prefill, call.processor)
+    stats.prefill_tokens = done
     for drafter in drafters:
         if registry.reads_hidden(drafter):
             drafter.start(ids, session.target.features)
@@ -464,14 +501,18 @@ class _Text:
     """The text of emitted tokens, streamed: ends at EOS (never emitted), and flushes the
     detokenizer's held-back bytes as soon as a token is known to be the last."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, logprobs: int | None = None):
         self.eos = tokenizer.eos_token_ids
         self.detok = tokenizer.detokenizer
         self.ended = False
         self.flushed = False
+        self.logprobs = logprobs  # k for each Step's top_logprobs; None: no logprobs
 
-    def steps(self, block: list[int], accepted: int, room: int) -> Iterator[Step]:
-        """Steps for a round's `block` (its first `accepted` were drafts), at most `room`."""
+    def steps(self, verdict: Verdict, room: int) -> Iterator[Step]:
+        """Steps for a round's emitted tokens (its first `accepted` were drafts), at most
+        `room`, with their log-probabilities where the call asked for them."""
+        block, accepted = verdict.emitted, verdict.accepted
+        scored = verdict.logprobs(self.logprobs) if self.logprobs is not None else None
         for i, token in enumerate(block[:room]):
             if token in self.eos:
                 self.ended = True
@@ -480,7 +521,8 @@ class _Text:
             if i + 1 == room or (i + 1 < len(block) and block[i + 1] in self.eos):
                 self.detok.finalize()  # known to be the last token
                 self.flushed = True
-            yield Step(token, self.detok.last_segment, i < accepted)
+            lp, top = scored[i] if scored is not None else (None, None)
+            yield Step(token, self.detok.last_segment, i < accepted, lp, top)
 
     def flush(self) -> str:
         """What the detokenizer still held when EOS opened a round: the token before it

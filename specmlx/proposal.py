@@ -93,6 +93,9 @@ class Verdict:
     rerun: int = 0  # tokens run again for that
     tree_as_chain: bool = False  # a tree this target could not verify whole: its first path
     tops: Callable[[int], list[float]] = lambda k: []
+    # logprobs(k): per emitted token, (its log-probability, the k most likely (id, lp));
+    # read only where a call asks for them (target.logprobs)
+    logprobs: Callable[[int], list] = lambda k: []
 
     @property
     def emitted(self) -> list[int]:

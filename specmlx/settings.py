@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from .errors import SpecmlxError
@@ -80,6 +81,49 @@ def check_seed(seed: int) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
         raise SpecmlxError(f"seed must be an integer >= 0 (and < 2**64), got {seed!r}")
     return seed
+
+
+# OpenAI's bounds: a bias from -100 (never) to 100 (always), penalties from -2 to 2, at
+# most 20 top log-probabilities a token.
+MAX_BIAS, MAX_PENALTY, MAX_LOGPROBS = 100.0, 2.0, 20
+
+
+def check_processing(
+    logit_bias: dict | None,
+    presence_penalty: float,
+    frequency_penalty: float,
+    logprobs: int | None,
+    vocab_size: int,
+) -> None:
+    """logit_bias, the penalties and logprobs (processors.py), each refused in one line
+    naming the setting and its bounds."""
+    for token, value in (logit_bias or {}).items():
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            raise SpecmlxError(
+                f"logit_bias keys must be token ids in [0, {vocab_size}), got {token!r}"
+            )
+        if not _number(value) or not -MAX_BIAS <= value <= MAX_BIAS:
+            raise SpecmlxError(
+                f"logit_bias values must be in [-100, 100], got {value!r} for {token}"
+            )
+    for name, value in (
+        ("presence_penalty", presence_penalty),
+        ("frequency_penalty", frequency_penalty),
+    ):
+        if not _number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise SpecmlxError(f"{name} must be a number in [-2, 2], got {value!r}")
+    if logprobs is not None and (
+        isinstance(logprobs, bool)
+        or not isinstance(logprobs, int)
+        or not 0 <= logprobs <= MAX_LOGPROBS
+    ):
+        raise SpecmlxError(
+            f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {logprobs!r}"
+        )
+
+
+def _number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def check_draft_mode(draft_mode: str | None) -> str | None:

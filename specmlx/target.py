@@ -46,6 +46,7 @@ from .caches import (
 from .errors import SpecmlxError
 from .lm_head import body, body_and_head, cuttable
 from .loading import Model, backend
+from .processors import Processor, reads_history
 from .proposal import Proposal, Verdict, point_mass
 from .sampling import SamplingParams
 from .treepass import rope_owners, tree_mask, tree_pass
@@ -106,8 +107,9 @@ class Target:
     def pipelines(self) -> bool:
         """Whether plain passes are queued ahead: only where a trim rolls the cache back
         (the others checkpoint and rewind around every pass). Read once a call: the
-        layers' kinds do not change within one."""
-        return self._trims
+        layers' kinds do not change within one. Nor where a processor reads the tokens
+        generated: the pass built ahead does not know its own input yet."""
+        return self._trims and not reads_history(self.processor)
 
     def start(
         self,
@@ -115,9 +117,11 @@ class Target:
         params: SamplingParams,
         vocab_size: int,
         progress: Callable[[int, int], None] | None = None,
+        processor: Processor | None = None,
     ) -> int:
         """A new call: the cache made to hold `prompt` (reusing the longest prefix it holds)
-        and the call's samplers; returns how many prompt tokens were processed."""
+        and the call's samplers, its logits processed by `processor` (processors.py) before
+        every judgement; returns how many prompt tokens were processed."""
         self._queued = self._ahead = self._before = None
         if self.hidden:
             self._align_features()
@@ -131,6 +135,7 @@ class Target:
                 self.features.add(rows[0])
         self.prompt_snapshot = snapshot(self.cache, self.cached)
         self._trims = trims_exactly(self.cache)
+        self.processor, self.output_from = processor, len(prompt) + 1
         self.params, self.vocab_size = params, vocab_size
         self.verifier = make_verifier(params, vocab_size)
         self.draw = make_sampler(params, vocab_size)
@@ -170,7 +175,7 @@ class Target:
         is built (over this one's token, with `next_key`) for `next_round` to run."""
         start = time.perf_counter()
         if self._queued is None:
-            self._queued = self._plain_pass(mx.array([last], mx.uint32), key)
+            self._queued = self._plain_pass(mx.array([last], mx.uint32), key, [last])
         (logits, probs, token, hidden), self._queued = self._queued, None
         if room and self.pipelines:
             self._before = state_of(self.cache)
@@ -185,6 +190,7 @@ class Target:
             hidden=hidden,
             verify_s=time.perf_counter() - start,
             tops=lambda k: self._tops(logits, probs, k),
+            logprobs=lambda k: logprobs(logits, [0], [token.item()], k, self.vocab_size),
         )
 
     def next_round(self, plain: bool, last: int, key: mx.array) -> None:
@@ -199,11 +205,15 @@ class Target:
                 set_state(self.cache, self._before)
                 self._before = None
         elif plain and self.pipelines:
-            self._queued = self._plain_pass(mx.array([last], mx.uint32), key)
+            self._queued = self._plain_pass(mx.array([last], mx.uint32), key, [last])
 
-    def _plain_pass(self, x: mx.array, key: mx.array, run: bool = True) -> tuple:
+    def _plain_pass(
+        self, x: mx.array, key: mx.array, last: list[int] | None = None, run: bool = True
+    ) -> tuple:
+        """A plain pass over x: `last`, x's token where it is known (a processor that reads
+        the generated tokens needs it; pipelines() says when it can be unknown)."""
         logits, hidden = self._forward(x)
-        logits = logits[-1:]
+        logits = self._process(logits[-1:], [last or []])
         probs, token = self.draw(logits, key)
         if run:
             mx.async_eval(token)
@@ -219,8 +229,10 @@ class Target:
             proposal = proposal.along(tree.first_path(proposal.parents))
         saved = checkpoint(self.cache) if proposal.is_chain else None
         x = mx.concatenate([mx.array([last], mx.uint32), proposal.tokens])
+        drafts = proposal.tokens.tolist()
         if proposal.is_chain:
             logits, hidden = self._forward(x)
+            logits = self._process(logits, [[last, *drafts[:i]] for i in range(len(x))])
             q = proposal.q
             if q is None and not (self.params.greedy or self.params.coupled):  # guesses
                 q = point_mass(proposal.tokens, self.vocab_size)
@@ -229,11 +241,12 @@ class Target:
             path = list(range(int(n)))
         else:
             logits, hidden = self._tree_forward(x, proposal.parents)
+            above = [[], *(tree.path_to(proposal.parents, j) for j in range(len(drafts)))]
+            logits = self._process(logits, [[last, *(drafts[k] for k in a)] for a in above])
             n, token, row, probs = self._judge_tree(logits, proposal, key)
             mx.eval(n, token, row)
             path = tree.path_to(proposal.parents, int(row) - 1)
         verified = time.perf_counter()
-        drafts = proposal.tokens.tolist()
         kept = [last, *(drafts[j] for j in path)]
         rows = [0, *(j + 1 for j in path)]  # the pass rows of the root and the kept drafts
         if proposal.is_chain:
@@ -256,6 +269,9 @@ class Target:
             rerun=rerun,
             tree_as_chain=as_chain,
             tops=lambda k: self._tops(logits, probs, k, None if proposal.is_chain else rows),
+            logprobs=lambda k: logprobs(
+                logits, rows, [*kept[1:], token.item()], k, self.vocab_size
+            ),
         )
 
     def _judge_tree(self, logits: mx.array, proposal: Proposal, key: mx.array) -> tuple:
@@ -295,6 +311,15 @@ class Target:
         with tree_pass(self.cache, self._rope_owners, masks, depths):
             return self._forward(x)
 
+    def _process(self, logits: mx.array, after: list[list[int]]) -> mx.array:
+        """The processor applied to rows whose tokens follow the cached text and then
+        `after[r]` each: its history is what the call generated up to there."""
+        if self.processor is None:
+            return logits
+        text = self.cached[self.output_from :]
+        start = max(0, self.output_from - len(self.cached))  # the prompt's last token
+        return self.processor(logits, [text + a[start:] for a in after])
+
     def _forward(self, x: mx.array) -> tuple[mx.array, mx.array | None]:
         """(logits (L, V), last hidden states (L, D) or None) of a pass over tokens x."""
         if self.hidden:
@@ -309,6 +334,21 @@ class Target:
             index = mx.array(rows[:k])
             logits, probs = logits[index], None if probs is None else probs[index]
         return top_probabilities(logits, probs, k, self.vocab_size, self._scratch)
+
+
+def logprobs(logits: mx.array, rows: list[int], tokens: list[int], k: int, vocab: int) -> list:
+    """[(log-probability of tokens[i], [(id, log-probability)] of the k most likely)] at
+    pass rows `rows`: the processed logits' (processors.py), before temperature, top-k and
+    top-p, as OpenAI's logprobs are."""
+    rows = logits[mx.array(rows)][:, :vocab].astype(mx.float32)
+    picked = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(picked, mx.array(tokens)[:, None], axis=-1)[:, 0]
+    top = mx.argsort(-picked, axis=-1)[:, :k] if k else None
+    out = []
+    for i, value in enumerate(chosen.tolist()):
+        best = [] if top is None else top[i].tolist()
+        out.append((value, [(t, picked[i, t].item()) for t in best]))
+    return out
 
 
 class Features:
