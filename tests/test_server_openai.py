@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from test_server import HANG_S, MODEL, HeldDecodes, running, wait_until
+from test_server import GREEDY, HANG_S, MODEL, HeldDecodes, running, template_ids, wait_until
 
 import specmlx
 from specmlx.engine import Stats, Step
@@ -318,9 +318,6 @@ def test_lowercase_bearer_is_accepted(models):
 @pytest.mark.parametrize(
     "path, field, value",
     [
-        (CHAT, "presence_penalty", 0.5),
-        (CHAT, "frequency_penalty", -1),
-        (CHAT, "logit_bias", {"5": 10}),
         (CHAT, "response_format", {"type": "json_object"}),
         (CHAT, "response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
         (CHAT, "logprobs", True),
@@ -337,7 +334,6 @@ def test_lowercase_bearer_is_accepted(models):
         (TEXT, "echo", True),
         (TEXT, "best_of", 2),
         (TEXT, "suffix", "}"),
-        (TEXT, "presence_penalty", 1),
         (TEXT, "tools", [WEATHER]),
     ],
 )
@@ -366,6 +362,38 @@ def test_an_unsupported_part_of_a_field_is_a_400_naming_it(url, body, param):
     response = httpx.post(f"{url}{CHAT}", json=body, timeout=HANG_S)
     assert response.status_code == 400, response.text
     assert param in response.json()["error"]["param"]
+
+
+def test_penalties_and_a_logit_bias_shape_the_reply_as_generate_does(url, models):
+    target, draft = models["target"], models["perturbed"]
+    asked = dict(logit_bias={"9": 6.0}, presence_penalty=1.0, frequency_penalty=0.5)
+    ids = template_ids(target, "count these")
+    expected = specmlx.generate(
+        target, ids, draft=draft, max_tokens=16, logit_bias={9: 6.0},
+        presence_penalty=1.0, frequency_penalty=0.5,
+    ).run()  # fmt: skip
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "count these"}], **asked}
+    reply = httpx.post(f"{url}{CHAT}", json={**body, **GREEDY}, timeout=HANG_S).json()
+    assert reply["choices"][0]["message"]["content"] == expected.text
+    plain = specmlx.generate(target, ids, draft=draft, max_tokens=16).run()
+    assert expected.text != plain.text  # the settings changed the reply
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", "x"),
+        ("logit_bias", {"9": 101}),
+        ("logit_bias", {"nine": 1}),
+        ("logit_bias", {"99999999": 1}),  # beyond the vocabulary: found as it starts
+    ],
+)
+def test_penalties_and_biases_out_of_bounds_are_400s_naming_them(url, field, value):
+    body = {"model": MODEL, "messages": USER, field: value}
+    response = httpx.post(f"{url}{CHAT}", json=body, timeout=HANG_S)
+    assert response.status_code == 400, response.text
+    assert field in response.json()["error"]["message"]
 
 
 def test_neutral_values_of_unsupported_fields_are_accepted(url):

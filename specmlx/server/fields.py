@@ -16,7 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import SpecmlxError
-from ..settings import check_draft_mode, check_seed, check_settings, parse_gamma
+from ..settings import (
+    check_draft_mode,
+    check_processing,
+    check_seed,
+    check_settings,
+    parse_gamma,
+)
 from .errors import APIError
 
 
@@ -53,6 +59,9 @@ class Asked:
     sampling: str | None = None
     tools: list[dict] | None = None  # None: no tools, or tool_choice "none"
     parallel_tool_calls: bool = True
+    logit_bias: dict[int, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def settings(self, max_tokens: int, seed: int) -> dict:
         """generate()'s keyword arguments (max_tokens as the context leaves room for)."""
@@ -65,6 +74,9 @@ class Asked:
             "draft_mode": self.draft_mode,
             "sampling": self.sampling,
             "seed": seed,
+            "logit_bias": self.logit_bias,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
         }
 
 
@@ -76,21 +88,15 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-# Constrained decoding and the target's distribution per token need the sampler's hooks
-# (a token mask, penalties and biases applied to p and q; the processed p of each emitted
-# token), which the engine does not have yet: until it does, these say so.
+# Constrained decoding needs a token mask in the sampler, which the engine does not have
+# yet; each token's log-probabilities the engine gives (generate(logprobs=k)), but the
+# replies do not carry them yet: until they do, these say so.
 NEEDS_MASK = "needs constrained decoding, which this server does not have yet"
-NEEDS_P = "needs the target's distribution per token, which the engine does not expose yet"
-NEEDS_PROCESSOR = "needs a logits processor in the sampler, which the engine does not have yet"
+NEEDS_P = "is not served yet (specmlx.generate(logprobs=k) gives them)"
 # Each is accepted at its neutral value (or left out, or null) and refused at any other:
 # field: (whether a value is neutral, why any other is refused).
 Neutral = dict[str, tuple[Callable[[object], bool], str]]
-PENALTIES: Neutral = {
-    "presence_penalty": (lambda v: _number(v) and v == 0, f"other than 0 {NEEDS_PROCESSOR}"),
-    "frequency_penalty": (lambda v: _number(v) and v == 0, f"other than 0 {NEEDS_PROCESSOR}"),
-    "logit_bias": (lambda v: v == {}, f"other than {{}} {NEEDS_PROCESSOR}"),
-}
-CHAT_UNSUPPORTED: Neutral = PENALTIES | {
+CHAT_UNSUPPORTED: Neutral = {
     "response_format": (
         lambda v: v == {"type": "text"},
         f"other than {{'type': 'text'}} (json_object, json_schema) {NEEDS_MASK}",
@@ -108,7 +114,7 @@ CHAT_UNSUPPORTED: Neutral = PENALTIES | {
     "functions": (lambda v: False, "(deprecated by OpenAI) is not supported: send tools"),
     "function_call": (lambda v: False, "(deprecated by OpenAI) is not supported: send tool_choice"),
 }
-TEXT_UNSUPPORTED: Neutral = PENALTIES | {
+TEXT_UNSUPPORTED: Neutral = {
     # an integer here, and 0 still asks for the chosen tokens' logprobs
     "logprobs": (lambda v: False, NEEDS_P),
     "best_of": (lambda v: v == 1, "other than 1 is not supported (one candidate per request)"),
@@ -128,6 +134,7 @@ TEXT_INFORMATIONAL = {"user": (str, "a string")}
 # Fields read in parse(), besides the tables above: OpenAI's own and specmlx's.
 READ = {"model", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed"}
 READ |= {"stop", "stream", "stream_options", "top_k", "num_draft", "draft_mode", "sampling"}
+READ |= {"logit_bias", "presence_penalty", "frequency_penalty"}
 CHAT_FIELDS = READ | {"messages", "tools", "tool_choice", "parallel_tool_calls"}
 CHAT_FIELDS |= set(CHAT_UNSUPPORTED) | set(CHAT_INFORMATIONAL)
 TEXT_FIELDS = READ | {"prompt"} | set(TEXT_UNSUPPORTED) | set(TEXT_INFORMATIONAL)
@@ -226,6 +233,9 @@ def parse(body: dict, chat: bool, defaults: Defaults) -> Asked:
     num_draft = _get(body, "num_draft", (int, str), "an integer or 'auto'", defaults.num_draft)
     draft_mode = _get(body, "draft_mode", str, "a string", defaults.draft_mode)
     sampling = _get(body, "sampling", str, "a string", defaults.sampling)
+    presence = _get(body, "presence_penalty", (int, float), "a number", 0.0)
+    frequency = _get(body, "frequency_penalty", (int, float), "a number", 0.0)
+    bias = _logit_bias(_get(body, "logit_bias", dict, "an object mapping token ids to numbers"))
     try:
         num_draft = parse_gamma(num_draft)
         check_draft_mode(draft_mode)
@@ -234,6 +244,8 @@ def parse(body: dict, chat: bool, defaults: Defaults) -> Asked:
         )
         if seed is not None:
             check_seed(seed)
+        # token ids are checked against the vocabulary when the generation starts
+        check_processing(bias, float(presence), float(frequency), None, 2**63)
     except SpecmlxError as e:
         raise APIError(400, str(e)) from None
     return Asked(
@@ -253,7 +265,26 @@ def parse(body: dict, chat: bool, defaults: Defaults) -> Asked:
         sampling=sampling,
         tools=tools,
         parallel_tool_calls=parallel,
+        logit_bias=bias,
+        presence_penalty=float(presence),
+        frequency_penalty=float(frequency),
     )
+
+
+def _logit_bias(bias: dict | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias: token ids as JSON keys (strings of digits) to numbers."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not key.isdigit():
+            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        if not _number(value):
+            raise APIError(
+                400, f"logit_bias values must be numbers, got {_short(value)}", "logit_bias"
+            )
+        out[int(key)] = float(value)
+    return out
 
 
 def _short(value) -> str:
