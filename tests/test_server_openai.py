@@ -646,3 +646,16 @@ def test_each_request_is_logged_in_one_line(url, caplog):
         wait_until(lambda: lines(200) and lines(400), "both requests' lines")
     assert all(k in lines(200)[-1] for k in ("tokens=", "tok/s=", "α=", "ttft="))
     assert "n must be 1" in lines(400)[-1]
+
+
+def test_the_tree_extension_drafts_trees_and_keeps_the_greedy_text(url, models):
+    target, draft = models["target"], models["perturbed"]
+    ids = template_ids(target, "def fibonacci")
+    expected = specmlx.generate(target, ids, draft=draft, max_tokens=16).run()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "def fibonacci"}]}
+    body.update(GREEDY, num_draft=3, tree=5)
+    reply = httpx.post(f"{url}{CHAT}", json=body, timeout=HANG_S).json()
+    assert reply["choices"][0]["message"]["content"] == expected.text
+    assert reply["specmlx"]["tree_rounds"] > 0
+    bad = httpx.post(f"{url}{CHAT}", json={**body, "tree": 99}, timeout=HANG_S)
+    assert bad.status_code == 400 and "tree" in bad.json()["error"]["message"]

@@ -428,6 +428,9 @@ def run_stats(done: Finished) -> dict:
         "queue_s": done.queue_s,
         "prompt_tokens": stats.prompt_tokens,
         "prefill_tokens": stats.prefill_tokens,
+        "tree_rounds": stats.tree_rounds,
+        "tree_nodes": stats.tree_nodes,
+        "rounds_by_shape": stats.rounds_by_shape,
     }
 
 

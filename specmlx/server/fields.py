@@ -5,7 +5,7 @@ silently dropped: each is implemented (and refused with a 400 naming it when it 
 the wrong type or out of range), or accepted only at the value that asks for nothing
 (the *_UNSUPPORTED tables: a penalty of 0, logprobs false...) and refused at any other, or, for
 the few that ask nothing of the reply (user, metadata, prompt_cache_key...), checked
-and accepted. A field OpenAI does not define, nor specmlx (top_k, num_draft,
+and accepted. A field OpenAI does not define, nor specmlx (top_k, num_draft, tree,
 draft_mode, sampling), is refused as unknown.
 """
 
@@ -22,6 +22,7 @@ from ..settings import (
     check_seed,
     check_settings,
     parse_gamma,
+    parse_tree,
 )
 from .errors import APIError
 
@@ -62,6 +63,7 @@ class Asked:
     logit_bias: dict[int, float] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    tree: int | str = "auto"  # specmlx's: trees of drafts (settings.parse_tree)
 
     def settings(self, max_tokens: int, seed: int) -> dict:
         """generate()'s keyword arguments (max_tokens as the context leaves room for)."""
@@ -77,6 +79,7 @@ class Asked:
             "logit_bias": self.logit_bias,
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
+            "tree": self.tree,
         }
 
 
@@ -134,7 +137,7 @@ TEXT_INFORMATIONAL = {"user": (str, "a string")}
 # Fields read in parse(), besides the tables above: OpenAI's own and specmlx's.
 READ = {"model", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed"}
 READ |= {"stop", "stream", "stream_options", "top_k", "num_draft", "draft_mode", "sampling"}
-READ |= {"logit_bias", "presence_penalty", "frequency_penalty"}
+READ |= {"logit_bias", "presence_penalty", "frequency_penalty", "tree"}
 CHAT_FIELDS = READ | {"messages", "tools", "tool_choice", "parallel_tool_calls"}
 CHAT_FIELDS |= set(CHAT_UNSUPPORTED) | set(CHAT_INFORMATIONAL)
 TEXT_FIELDS = READ | {"prompt"} | set(TEXT_UNSUPPORTED) | set(TEXT_INFORMATIONAL)
@@ -236,7 +239,9 @@ def parse(body: dict, chat: bool, defaults: Defaults) -> Asked:
     presence = _get(body, "presence_penalty", (int, float), "a number", 0.0)
     frequency = _get(body, "frequency_penalty", (int, float), "a number", 0.0)
     bias = _logit_bias(_get(body, "logit_bias", dict, "an object mapping token ids to numbers"))
+    tree = _get(body, "tree", (int, str), "an integer, 'auto' or 'off'", "auto")
     try:
+        tree = parse_tree(tree)
         num_draft = parse_gamma(num_draft)
         check_draft_mode(draft_mode)
         check_settings(
@@ -268,6 +273,7 @@ def parse(body: dict, chat: bool, defaults: Defaults) -> Asked:
         logit_bias=bias,
         presence_penalty=float(presence),
         frequency_penalty=float(frequency),
+        tree=tree,
     )
 
 
