@@ -266,7 +266,7 @@ def generate(
     (every position's randomness keyed by (seed, position): one text per seed, whatever
     the rounds, equal to the target alone's); None: settings.DEFAULT_SAMPLING.
     tree: "auto" (the default: with auto γ, a tree of up to settings.MAX_TREE nodes from a
-    drafter that grows them (draft model, lookup) where the measured costs and this text's
+    drafter that grows them (draft model, head, lookup) where the measured costs and this text's
     acceptance make it beat the best chain; with a fixed γ, chains), "off", or N in
     2..MAX_TREE (auto γ: trees of at most N nodes; fixed γ: N nodes, γ deep, every round),
     or its text (settings.parse_tree: one line on a bad value). Exact at any temperature.
