@@ -109,7 +109,11 @@ def main(argv: list[str] | None = None) -> None:
     models = home() / "models"
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=str(models / "qwen2.5-coder-1.5b-instruct-int4"))
-    ap.add_argument("--draft", default=str(models / "qwen2.5-coder-0.5b-instruct-int4"))
+    ap.add_argument(
+        "--draft",
+        default=str(models / "qwen2.5-coder-0.5b-instruct-int4"),
+        help="a draft model, or a head (then --drafters head,lookup)",
+    )
     ap.add_argument("--tiny", help="instead, a tiny random pair of this mlx-lm architecture")
     ap.add_argument("--categories", default="humaneval,qa,writing,summarization")
     ap.add_argument("--prompts", type=int, default=4, help="per category")
@@ -130,7 +134,10 @@ def main(argv: list[str] | None = None) -> None:
     else:
         target_dir, draft_dir = Path(args.target), Path(args.draft)
     target = specmlx.load(target_dir, lazy=False)
-    draft = specmlx.load(draft_dir, lazy=False)
+    from specmlx.cli.options import load_head
+
+    # --draft may name a head (its drafter: --drafters head,lookup)
+    draft = load_head(target, str(draft_dir), print) or specmlx.load(draft_dir, lazy=False)
     budgets = [int(b) for b in args.budgets.split(",")]
     settings = modes(budgets, args.drafters.split(","))
     temperatures = [float(t) for t in args.temperatures.split(",")]
