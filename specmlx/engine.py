@@ -25,6 +25,7 @@ from .drafters.protocol import Drafter, Proposal, Verdict, cost_id, interrupted
 from .errors import SpecmlxError
 from .heads import is_head
 from .loading import Model, backend, check_pair
+from .lockstep import lockstep
 from .policy import AutoGamma, FixedGamma, Policy, RoundSummary, load_costs, save_costs
 from .policy.choice import Scheduler
 from .policy.costs import Costs, band_start, from_shorter
@@ -299,6 +300,7 @@ def generate(
     session.target.set_hidden(bool(readers), registry.taps(readers[0]) if readers else None)
     nodes = tree_nodes(tree, num_draft == "auto") if session.target.verifies_trees else 0
     policy = _policy(session, params, num_draft if chosen else 0, chosen, nodes)
+    policy = lockstep(policy, target, params)  # split over ranks: every rank one plan
 
     def steps(gen: Generation) -> Iterator[Step]:
         gen.stats.gamma, gen.stats.draft_mode = num_draft if chosen else 0, mode

@@ -33,7 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
-from . import cpu, exactness, mlxlm, stepwise
+from . import cpu, distributed, exactness, mlxlm, stepwise
 from .errors import SpecmlxError
 from .safetensors import Header, read_header
 from .wording import counted, human_bytes
@@ -89,6 +89,10 @@ class Model:
     # "int4", "fp32" (INT4 expanded at load for a fast BLAS, specmlx.cpu) or "dense"; and why
     weights: str = ""
     weights_why: str = ""
+    # Split over the ranks of `group` (specmlx.distributed): "tensor" or "pipeline"; "" and
+    # None in one process.
+    shard: str = ""
+    group: Any = None
 
     @property
     def quantization(self) -> dict | None:
@@ -103,6 +107,8 @@ class Model:
         bits = f"INT{q['bits']} g{q['group_size']}" if q else "dense"
         if self.weights == "fp32":
             bits += " expanded to fp32"
+        if self.shard:
+            bits += f", {self.shard}-parallel over {self.group.size()} ranks"
         return f"{self.name} ({self.config.get('model_type')}, {bits}, {self.dtype})"
 
 
@@ -225,6 +231,8 @@ def load(
     native: bool = True,
     cpu_weights: str = "auto",
     tokenizer_from: Model | None = None,
+    group: Any = None,
+    shard: str = "auto",
 ) -> Model:
     """Load a model directory or hub id (dense or MLX-quantized) for generation.
 
@@ -236,6 +244,10 @@ def load(
     tokenizer only serves its vocabulary.
     `cpu_weights` "fp32" expands INT4 weights to float32 for a fast BLAS, "int4" keeps
     them, "auto" keeps them where the native kernel runs (specmlx.cpu.fp32).
+    `group`: an MLX distributed group of several ranks (specmlx.distributed.group()) to
+    split the model over, each rank calling load alike: `shard` "tensor" (the model
+    class's shard()), "pipeline" (its model.pipeline()) or "auto" (tensor where it has
+    it); refused in one line where mlx-lm's class has neither. None: the whole model.
     """
     path = resolve_path(path_or_repo)
     if glob.escape(str(path)) != str(path):  # mlx-lm finds the weights with a glob pattern
@@ -285,6 +297,9 @@ def load(
             f"cannot build the model in {path} from its config.json and weights "
             f"({type(e).__name__}: {one_line(e)}); {FIX}"
         ) from e
+    # Split before anything reads the weights (each rank reads its part only) and before
+    # the CPU patches, which then take the layers they recognise (specmlx.distributed).
+    how = distributed.shard(module, shard, group, path.name) if group is not None else ""
     chosen = pick_dtype(config, dtype)
     stored = dict(tree_flatten(module.parameters()))  # the kernel's layers keep their halves
     cast_floating(module, chosen)
@@ -323,7 +338,9 @@ def load(
         "reading": reading,
         "tokenizer": tokenizer_kind,
     }
-    return Model(module, tokenizer, config, path, vocab_size, chosen, info, weights, weights_why)
+    return Model(
+        module, tokenizer, config, path, vocab_size, chosen, info, weights, weights_why, how, group
+    )
 
 
 def mapping_unavailable() -> str:
