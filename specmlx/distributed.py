@@ -20,6 +20,11 @@ The rounds' lockstep (one plan for every rank) is specmlx.lockstep's.
 
 from __future__ import annotations
 
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -30,14 +35,22 @@ from .errors import SpecmlxError
 SHARDS = ("auto", "tensor", "pipeline")
 
 _world: list = []  # [the group or None], once asked
+_links: list[socket.socket] = []  # the backend's connections to the other ranks (watch)
 
 
 def group() -> Any | None:
     """The world this process belongs to, where it is one of several ranks (a launcher set
     up MLX's distributed backend: mlx.launch's ring or JACCL, MPI, NCCL); None alone."""
     if not _world:
+        before = _connections()
         world = mx.distributed.init() if mx.distributed.is_available() else None
         _world.append(world if world is not None and world.size() > 1 else None)
+        after = _connections() if _world[0] is not None else {}
+        for fd, sock in [*before.items(), *after.items()]:
+            if fd in before or fd not in after:
+                sock.close()
+            else:  # what init connected: the links to the other ranks
+                _links.append(sock)
     return _world[0]
 
 
@@ -147,10 +160,90 @@ def lost_peer(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and text.startswith("[") and any(s in text for s in LOST)
 
 
-def lost_line(error: BaseException, world: Any | None) -> str:
-    """The one line a rank says when another stopped (its own line says why)."""
+def lost_line(why: str, world: Any | None) -> str:
+    """The one line a rank says when another stopped (that rank's own line says why)."""
     size = f" of {world.size()}" if world is not None else ""
     return (
-        f"rank {rank(world)}{size} lost the other ranks ({error}): one of them stopped or its "
-        "link went down; its own message, if any, says why"
+        f"rank {rank(world)}{size} lost the other ranks ({why}): one of them stopped or its "
+        "host went down; its own message, if any, says why"
     )
+
+
+# -- a watchdog: a lost rank noticed even where the backend would wait for it forever ----
+#
+# MLX's ring backend raises on a collective that starts after a peer's socket closed,
+# but one already waiting on a peer that dies may wait for good (seen with mlx 0.32 on
+# localhost). So a thread peeks, twice a second, at the TCP connections that init made
+# (MLX's own sockets: nothing is sent on them, MSG_PEEK reads nothing off them): end of
+# stream or a reset means a rank is gone. Keepalive probes on them make a host that
+# vanished without closing them (power, cable) show as a reset within seconds too.
+# Backends without TCP links (JACCL's RDMA, MPI's own) are not watched.
+
+KEEPALIVE = {"TCP_KEEPIDLE": 5, "TCP_KEEPALIVE": 5, "TCP_KEEPINTVL": 2, "TCP_KEEPCNT": 3}
+
+
+def watch(on_lost: Callable[[str], None], every: float = 0.5) -> bool:
+    """Call `on_lost(why)` from a thread once a link to another rank is gone; whether any
+    link is watched. Once per process."""
+    if not _links or any(t.name == "rank-watch" for t in threading.enumerate()):
+        return bool(_links)
+    for sock in _links:
+        _keepalive(sock)
+
+    def run() -> None:
+        while True:
+            for sock in _links:
+                why = _gone(sock)
+                if why:
+                    on_lost(why)
+                    return
+            time.sleep(every)
+
+    threading.Thread(target=run, name="rank-watch", daemon=True).start()
+    return True
+
+
+def _gone(sock: socket.socket) -> str:
+    """Why this link is gone ('' while it holds)."""
+    try:
+        data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return ""
+    except OSError as e:
+        return f"its link to a rank failed: {e.strerror or e}"
+    return "" if data else "a rank closed its link"
+
+
+def _keepalive(sock: socket.socket) -> None:
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in KEEPALIVE.items():
+            if hasattr(socket, name):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    except OSError:
+        pass
+
+
+def _connections() -> dict[int, socket.socket]:
+    """This process's connected TCP sockets by descriptor, each as a socket object over a
+    duplicate of it (closing one leaves the backend's own open)."""
+    folder = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
+    try:
+        fds = [int(name) for name in os.listdir(folder)]
+    except OSError:
+        return {}
+    found = {}
+    for fd in fds:
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:  # not a socket (or closed since the listing)
+            continue
+        try:
+            if sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET, socket.AF_INET6):
+                sock.getpeername()  # connected: a listening socket has no peer
+                found[fd] = sock
+                continue
+        except OSError:
+            pass
+        sock.close()
+    return found

@@ -13,7 +13,7 @@ except ImportError:  # pragma: no cover
     from click import exceptions as click_errors
 
 from ..errors import SpecmlxError
-from . import started  # noqa: F401  (stamps the start time report.process_start gives)
+from . import ranks, started  # noqa: F401  (started stamps the time report.process_start gives)
 
 app = typer.Typer(
     name="specmlx",
@@ -105,10 +105,12 @@ def main(argv: list[str] | None = None) -> None:
         # Not standalone, so errors reach the handlers below; typer then *returns* the code
         # of an Exit, and turns a Ctrl-C into Exit(130), which would otherwise be dropped.
         exit_code = app(args=argv, prog_name="specmlx", standalone_mode=False)
+        if not exit_code:
+            ranks.finish()  # on several ranks: none leaves before all are done
     except SpecmlxError as e:
         if debug:
             raise
-        print(f"error: {e}", file=sys.stderr)
+        ranks.say(f"error: {e}")
         sys.exit(2)
     except click_errors.NoArgsIsHelpError:
         sys.exit(0)  # typer has printed the help already
@@ -121,9 +123,10 @@ def main(argv: list[str] | None = None) -> None:
     except (KeyboardInterrupt, typer.Abort):
         interrupted()
     except Exception as e:
-        if debug:
+        lost = ranks.lost_line(e)  # another rank stopped: one line, whatever the command
+        if debug and not lost:
             raise
-        print(f"internal error: {type(e).__name__}: {e} (rerun with --debug)", file=sys.stderr)
+        ranks.say(lost or f"internal error: {type(e).__name__}: {e} (rerun with --debug)")
         sys.exit(1)
     if exit_code == INTERRUPTED:
         interrupted()
@@ -135,5 +138,5 @@ INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process that Ctrl-C stop
 
 
 def interrupted() -> None:
-    print("interrupted", file=sys.stderr)
+    ranks.say("interrupted")
     sys.exit(INTERRUPTED)

@@ -10,14 +10,14 @@ from __future__ import annotations
 import signal
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, fields, replace
 
 from rich.console import Console
 
 from ..errors import SpecmlxError
 from ..wording import counted
-from . import app, options, progress, report, stream
+from . import app, options, progress, ranks, report, stream
 
 HELP = """\
 /help                  this list
@@ -76,6 +76,7 @@ def chat(
     seed: int = options.Seed,
     dtype: str = options.Dtype,
     cpu_weights: str = options.CpuWeights,
+    shard: str = options.Shard,
     system: str = options.System,
     stop: list[str] = options.Stop,
     quiet: bool = options.Quiet,
@@ -88,6 +89,7 @@ def chat(
     options.check_quiet_verbose(quiet, verbose)
     stops = stream.check_stops(stop)
     system = options.command_line_text(system, "--system") if system else system
+    world = ranks.start(shard)  # alone: None; on several ranks, rank 0 reads and prints
     err = Console(stderr=True, soft_wrap=True, highlight=False)
     out = Console(soft_wrap=True, highlight=False)
 
@@ -99,7 +101,7 @@ def chat(
             note(msg)
 
     target, drafter, timings = options.load_timed(
-        model, draft, no_draft, dtype, report_note, cpu_weights, quiet
+        model, draft, no_draft, dtype, report_note, cpu_weights, quiet, world, shard
     )
 
     from ..drafters import check_exact, default_mode
@@ -129,7 +131,7 @@ def chat(
     shown = Shown(stops, quiet, verbose, err)
     convo = Conversation(system=system)
     totals = Totals()
-    ask = terminal_input() if sys.stdin.isatty() else piped_input
+    ask = ranks.shared_input(terminal_input() if sys.stdin.isatty() else piped_input, world)
     while True:
         try:
             message = read_message(ask)
@@ -182,7 +184,10 @@ def reply(
         )
         return
     bar = progress.prefill(shown.err, show=not shown.quiet)
-    with sigint_flag() as interrupted, bar as on_prefill:
+    # On several ranks a Ctrl-C ends the chat: it reaches each rank at another token, or
+    # only rank 0, and every rank must stop a reply at the same one.
+    stop_soft = nullcontext([]) if ranks.world() else sigint_flag()
+    with stop_soft as interrupted, bar as on_prefill:
         gen = generate(
             target,
             ids,
@@ -209,6 +214,8 @@ def reply(
                 if interrupted:
                     break
         except KeyboardInterrupt:  # a second Ctrl-C: stop even mid-round
+            if ranks.world():
+                raise
             interrupted.append(signal.SIGINT)
         finally:
             gen.close()  # the Session trims both caches back to what was emitted

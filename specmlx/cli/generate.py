@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 
 from ..errors import SpecmlxError
-from . import app, options, progress, report, stream
+from . import app, options, progress, ranks, report, stream
 
 
 @app.command()
@@ -41,6 +41,7 @@ def generate(
     seed: int = options.Seed,
     dtype: str = options.Dtype,
     cpu_weights: str = options.CpuWeights,
+    shard: str = options.Shard,
     system: str = options.System,
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
@@ -64,7 +65,10 @@ def generate(
         raise SpecmlxError("give --json or --jsonl, not both")
     stops = stream.check_stops(stop)
     scripted = as_json or as_jsonl
-    text = options.read_prompt(prompt, prompt_file, prompt_arg)
+    world = ranks.start(shard)  # alone: None; on several ranks, rank 0 reads and prints
+    from ..distributed import from_leader
+
+    text = from_leader(lambda: options.read_prompt(prompt, prompt_file, prompt_arg), world)
     if system is not None:
         system = options.command_line_text(system, "--system")
     err = Console(stderr=True, soft_wrap=True, highlight=False)
@@ -77,7 +81,7 @@ def generate(
         err.print(msg, style="dim", markup=False)
 
     target, drafter, timings = options.load_timed(
-        model, draft, no_draft, dtype, log, cpu_weights, quiet
+        model, draft, no_draft, dtype, log, cpu_weights, quiet, world, shard
     )
 
     from ..cpu import blas_info

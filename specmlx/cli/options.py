@@ -95,6 +95,14 @@ CpuWeights = typer.Option(
     "BLAS is already loaded and memory allows).",
 )
 System = typer.Option(None, "--system", help="System prompt (uses the model's chat template).")
+Shard = typer.Option(
+    "auto",
+    "--shard",
+    help="Under mlx.launch (several ranks): how the target is split over them: tensor (each "
+    "layer's weights cut across the ranks), pipeline (each rank runs a run of layers), or "
+    "auto (tensor where mlx-lm's class for the model has it, else pipeline). Drafts run on "
+    "rank 0; rank 0 reads and prints.",
+)
 
 
 def check_settings(
@@ -123,11 +131,15 @@ def load_pair(
     log,
     cpu_weights: str = "auto",
     quiet: bool = False,
+    world=None,
+    shard: str = "auto",
 ):
     """Load target and draft (None with --no-draft); the default pair if none is named
     (see specmlx.models.resolve_pair; `--model tiny` is the tiny random demo pair). A
     first use that builds the offline pair shows `specmlx quantize`'s bar on stderr
-    while it converts (not with `quiet`)."""
+    while it converts (not with `quiet`). With `world` (several ranks: cli.ranks), the
+    target is split over it by `shard`; the draft is whole on every rank, its weights
+    read on rank 0 alone (the only one that drafts: specmlx.lockstep)."""
     from rich.console import Console
 
     from ..loading import check_pair, load
@@ -139,13 +151,14 @@ def load_pair(
     if draft == AUTO_DRAFT and not no_draft:
         draft = pick_auto_draft(model, log)
     # Weights are read now (not at the first forward) so "ready" means ready.
-    target = load(model, dtype=dtype, lazy=False, cpu_weights=cpu_weights)
+    target = load(model, dtype=dtype, lazy=False, cpu_weights=cpu_weights, group=world, shard=shard)
     if no_draft:
         return target, None
     head = load_head(target, draft, log)
     if head is not None or draft is None:
         return target, head
-    drafter = load(draft, dtype=dtype, lazy=False, cpu_weights=cpu_weights, tokenizer_from=target)
+    lazy = world is not None and world.rank() != 0
+    drafter = load(draft, dtype=dtype, lazy=lazy, cpu_weights=cpu_weights, tokenizer_from=target)
     check_pair(target, drafter)
     return target, drafter
 
@@ -216,6 +229,8 @@ def load_timed(
     log,
     cpu_weights: str = "auto",
     quiet: bool = False,
+    world=None,
+    shard: str = "auto",
 ):
     """load_pair, plus where the cold start went: returns (target, draft, timings).
 
@@ -234,7 +249,9 @@ def load_timed(
     from .. import engine  # noqa: F401  (mlx and the engine: most of what imports cost)
 
     import_s = time.perf_counter() - t0
-    target, drafter = load_pair(model, draft, no_draft, dtype, log, cpu_weights, quiet)
+    target, drafter = load_pair(
+        model, draft, no_draft, dtype, log, cpu_weights, quiet, world, shard
+    )
     loaded = [m for m in (target, drafter) if m is not None]
     timings = {
         "before_main_s": before_main,
