@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 
 from ..errors import SpecmlxError
-from . import app, options, report
+from . import app, options, ranks, report
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -60,6 +60,11 @@ def serve(
         raise SpecmlxError(f"--cache-gb must be >= 0, got {cache_gb}")
     if not max_body_mb > 0:
         raise SpecmlxError(f"--max-body-mb must be > 0, got {max_body_mb}")
+    if ranks.start() is not None:  # each rank would load the whole pair and bind the port
+        raise SpecmlxError(
+            "serve runs on one machine: serving over several ranks is not built yet; under "
+            "mlx.launch, generate and chat split the target (README: More than one machine)"
+        )
     err = Console(stderr=True, soft_wrap=True, highlight=False)
 
     def log(msg: str) -> None:
