@@ -145,7 +145,8 @@ class Session:
         this pair's first guess (policy.load_costs)."""
         m = self.model
         context = f"context {band_start(band)}+|" if band else ""
-        return f"{m.path}:{m.dtype}:{m.weights or 'as stored'}|{drafter_id}|{backend()}|{context}"
+        weights = f"{m.weights or 'as stored'}{m.split}"  # split over ranks: other costs
+        return f"{m.path}:{m.dtype}:{weights}|{drafter_id}|{backend()}|{context}"
 
     def costs(self, which: str, band: int = 0) -> Costs:
         """The measured costs of a drafter (by cost_id) at a band of context length: kept

@@ -102,6 +102,11 @@ class Model:
     def name(self) -> str:
         return self.path.name
 
+    @property
+    def split(self) -> str:
+        """How the model is split over ranks, for keys of what it costs ("" whole)."""
+        return f"@{self.shard}x{self.group.size()}" if self.shard else ""
+
     def describe(self) -> str:
         q = self.quantization
         bits = f"INT{q['bits']} g{q['group_size']}" if q else "dense"

@@ -212,10 +212,13 @@ def test_the_split_against_one_process(two_ranks, models, name):
 
 def test_rejection_sampling_on_two_ranks_follows_the_target_distribution(two_ranks, models):
     """First two tokens of 1,200 two-token generations at T = 1 (γ 2, a perturbed draft),
-    against the target's exact joint distribution. Power: at 1,200 runs a sampler whose
-    chi-square divergence from the target's is 0.03 or more (e.g. one trusting its draft,
-    as test_lossless.py's controls do) gives a noncentrality of 36 or more: rejected at
-    0.001 with probability above 0.9 for the ten-odd merged cells the tiny model has."""
+    against the target's exact joint distribution (32 cells once those expected below 5
+    are merged: 31 degrees of freedom). Power: a sampler whose chi-square divergence
+    from the target's, sum (p' - p)^2 / p over those cells, is 0.042 or more gives a
+    noncentrality of 50 or more, rejected at 0.001 with probability 0.9 or more; one
+    that trusts its draft (test_lossless.py's controls) is far off that. One process
+    runs the full 3,000-run checks (test_lossless.py); this one checks that two ranks
+    sample as one does."""
     target = specmlx.load(models["chi"][0])
     counts = np.array(two_ranks["ranks"][0]["chi"])
     assert counts.sum() == CHI_RUNS
@@ -363,3 +366,16 @@ def test_a_lost_peer_is_told_apart_from_other_errors():
     assert distributed.lost_peer(RuntimeError("[ring] connection to a peer was lost"))
     assert not distributed.lost_peer(RuntimeError("[matmul] shapes"))
     assert lockstep.lockstep.__doc__  # the module is importable alone
+
+
+def test_a_split_target_keeps_costs_apart_from_the_whole_ones(model_dirs):
+    """What a pass costs split over ranks (a collective per layer) is no figure for one
+    process: the measured costs' keys tell them apart."""
+    target = specmlx.load(model_dirs["target"])
+    whole = specmlx.Session(target).cost_key("model")
+    target.shard, target.group = "tensor", FakeWorld(0)
+    try:
+        split = specmlx.Session(target).cost_key("model")
+    finally:
+        target.shard, target.group = "", None
+    assert "@tensorx2" in split and split.replace("@tensorx2", "") == whole
