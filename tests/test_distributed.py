@@ -31,6 +31,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
@@ -272,6 +273,65 @@ def test_a_killed_rank_ends_the_other_in_one_line(models, tmp_path, killed):
     lines = err.decode().strip().splitlines()
     assert survivor.returncode == 1 and took < 10, (took, lines)
     assert len(lines) == 1 and "lost the other ranks" in lines[0], lines
+
+
+def test_serve_on_two_ranks_answers_as_one_process_does(models, tmp_path):
+    """The server on rank 0 alone, concurrent clients, a stop string, a seeded sample and
+    a streaming client that leaves early (every rank stops at its token); the replies are
+    one process's. SIGTERM to rank 0 ends both, quietly (rank 0 tells the others)."""
+    import httpx
+    import openai
+    from test_server import running
+
+    from specmlx.server import make_app
+
+    target, draft = models["qwen2"]
+    asks = [
+        dict(prompt="def fibonacci(n):", temperature=0),
+        dict(prompt="class Stack:", temperature=0, stop=["s"]),
+        dict(prompt="def f", temperature=1.0, seed=3),
+        dict(prompt="The quick brown fox", temperature=0),
+    ]
+
+    def replies(base: str, concurrent: bool) -> list[str]:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="-", max_retries=0, timeout=60)
+
+        def ask(kw: dict) -> str:
+            return client.completions.create(model="m", max_tokens=16, **kw).choices[0].text
+
+        if not concurrent:
+            return [ask(kw) for kw in asks]
+        with ThreadPoolExecutor(len(asks)) as pool:
+            got = list(pool.map(ask, asks))
+        stream = client.completions.create(
+            model="m", prompt="def g", max_tokens=200, temperature=0, stream=True
+        )
+        next(iter(stream))
+        stream.close()  # gone after its first piece
+        return [*got, ask(asks[0])]
+
+    port = free_ports(1)[0]
+    argv = [PY, "-m", "specmlx", "serve", "-m", str(target), "-d", str(draft), "-q"][:-1]
+    procs = start([*argv, "--port", str(port)], tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline and procs[0].poll() is None
+                time.sleep(0.2)
+        got = replies(f"http://127.0.0.1:{port}", concurrent=True)
+    finally:
+        procs[0].send_signal(signal.SIGTERM)
+        (code0, _, err0), (code1, out1, err1) = finish(procs, timeout=60)
+    with running(make_app(specmlx.load(target), specmlx.load(draft), model_id="m")) as base:
+        want = replies(base, concurrent=False)
+    assert got == [*want, want[0]]
+    # uvicorn raises the signal again once it has shut down: rank 0 ends by it
+    assert code0 in (0, -signal.SIGTERM) and code1 == 0, err0[-2000:] + err1
+    assert out1 == err1 == ""
 
 
 # -- in one process -------------------------------------------------------------------

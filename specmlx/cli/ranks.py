@@ -89,12 +89,18 @@ def shared_input(ask: Callable[[str], str], world: Any | None) -> Callable[[str]
     return shared
 
 
+def release() -> None:
+    """The ranks have agreed that they end (serve's shutdown, sent by rank 0): each may
+    exit as it is, with no wait for the others at the end."""
+    _state["ending"] = _state["released"] = True
+
+
 def finish() -> None:
     """A command's end on every rank: none exits before all are done (a rank whose link
     closed early would take it for one that died)."""
     world = _state["world"]
     _state["ending"] = True
-    if world is not None:
+    if world is not None and not _state.get("released"):
         from ..distributed import broadcast_ints
 
         broadcast_ints([0], world)

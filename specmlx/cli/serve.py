@@ -27,6 +27,7 @@ def serve(
     sampling: str | None = options.Sampling,
     dtype: str = options.Dtype,
     cpu_weights: str = options.CpuWeights,
+    shard: str = options.Shard,
     host: str = typer.Option(
         "127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."
     ),
@@ -60,19 +61,18 @@ def serve(
         raise SpecmlxError(f"--cache-gb must be >= 0, got {cache_gb}")
     if not max_body_mb > 0:
         raise SpecmlxError(f"--max-body-mb must be > 0, got {max_body_mb}")
-    if ranks.start() is not None:  # each rank would load the whole pair and bind the port
-        raise SpecmlxError(
-            "serve runs on one machine: serving over several ranks is not built yet; under "
-            "mlx.launch, generate and chat split the target (README: More than one machine)"
-        )
+    world = ranks.start(shard)  # several ranks: rank 0 serves, the others follow its rounds
+    leader = world is None or world.rank() == 0
     err = Console(stderr=True, soft_wrap=True, highlight=False)
 
     def log(msg: str) -> None:
         err.print(msg, style="dim", markup=False)
 
     # Bound before the slow load, so that a port in use is said at once.
-    listener = bind(host, port)
-    target, drafter, timings = options.load_timed(model, draft, no_draft, dtype, log, cpu_weights)
+    listener = bind(host, port) if leader else None
+    target, drafter, timings = options.load_timed(
+        model, draft, no_draft, dtype, log, cpu_weights, False, world, shard
+    )
 
     import uvicorn
 
@@ -81,6 +81,9 @@ def serve(
     from ..server import Defaults, make_app
 
     check_exact(target, drafter, draft_mode, num_draft)
+    if not leader:
+        follow(target, drafter, cache_gb)
+        return
     for line in report.startup_lines(target, drafter, timings, backend()):
         log(line)
     bound_host, bound_port = listener.getsockname()[:2]
@@ -99,6 +102,7 @@ def serve(
         defaults=Defaults(max_tokens, num_draft, draft_mode, sampling),
         strict_model=strict_model,
         max_body_bytes=int(max_body_mb * (1 << 20)),
+        world=world,
     )
     # One line per request (specmlx.server's), on stderr beside the startup lines.
     handler = logging.StreamHandler()
@@ -108,6 +112,19 @@ def serve(
     server_log.setLevel(logging.INFO)
     config = uvicorn.Config(server_app, log_level="warning", timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[listener])
+    ranks.release()  # the decode thread told the other ranks that it ends
+
+
+def follow(target, drafter, cache_gb: float) -> None:
+    """A rank but 0: run the passes of every request rank 0's server decodes, until it
+    stops (specmlx.server.worker.follow)."""
+    from ..server.pool import SessionPool
+    from ..server.worker import Mirror
+    from ..server.worker import follow as follow_rank_0
+
+    pool = SessionPool(target, drafter, int(cache_gb * (1 << 30)))
+    follow_rank_0(pool, Mirror(ranks.world()))
+    ranks.release()  # rank 0 said it ends
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -33,7 +33,7 @@ from .fields import Asked, Defaults, parse, read_json
 from .pool import SessionPool
 from .prompts import ChatPrompts, Transcripts, check_context, completion_ids
 from .tools import ToolFormat, ToolFormats, ToolReply
-from .worker import Finished, Job, Worker
+from .worker import Finished, Job, Mirror, Worker
 
 log = logging.getLogger("specmlx.server")
 
@@ -65,6 +65,7 @@ def make_app(
     defaults: Defaults = Defaults(),
     strict_model: bool = False,
     max_body_bytes: int = MAX_BODY_BYTES,
+    world=None,
 ) -> Starlette:
     """The server for one model pair; its decode thread runs while the app is served.
 
@@ -74,12 +75,14 @@ def make_app(
     path are, and others get a 404. api_key: when set, every /v1 request must carry it
     as a bearer token. cache_bytes: the budget for the KV caches kept between requests.
     max_body_bytes: larger request bodies get a 413 before they are read whole.
+    world: rank 0's group where the target is split over ranks (the others run
+    worker.follow, decoding what this server's decode thread sends them).
     """
     # MLX evaluates an array on the streams of the thread that made it, and the decode
     # thread has its own: lazily loaded weights must be read here, by the thread that
     # loaded them, or the first forward pass on the decode thread fails.
     mx.eval([m.module.parameters() for m in (target, draft) if m is not None])
-    worker = Worker(SessionPool(target, draft, cache_bytes))
+    worker = Worker(SessionPool(target, draft, cache_bytes), Mirror(world))
     transcripts = Transcripts()
     chats = ChatPrompts(target)
     formats = ToolFormats(target)

@@ -28,12 +28,22 @@ class SessionPool:
         self.idle: list[Session] = []  # least recently used first
         self.cache_bytes = 0  # of the idle Sessions, after the last request
 
-    def take(self, ids: list[int]) -> Session:
+    def take(self, ids: list[int], mirror=None) -> Session:
         """The Session whose cached tokens share the longest prefix with `ids`, unless
         taking it over would throw away another conversation for a small gain: a prompt
         that extends a Session's whole history (a chat's next turn) takes it; one that
         shares less than half of itself with the best gets a new Session while there is
-        room, so that interleaved conversations keep a cache each."""
+        room, so that interleaved conversations keep a cache each. `mirror` (worker.Mirror):
+        where the target is split over ranks, rank 0's choice is every rank's."""
+        choice = self.choose(ids)
+        if mirror is not None:
+            choice = mirror.numbers([choice])[0]
+        if choice < 0:
+            return Session(self.target, self.draft)
+        return self.idle.pop(choice)
+
+    def choose(self, ids: list[int]) -> int:
+        """take's choice: the index of an idle Session, or -1 for a new one."""
         # The most recently used wins a tie: it is the likeliest to be asked again.
         best = max(
             reversed(self.idle), key=lambda s: common_prefix_len(s.target.cached, ids), default=None
@@ -42,19 +52,23 @@ class SessionPool:
         room = len(self.idle) < MAX_SESSIONS
         extends = best is not None and 0 < shared == len(best.target.cached)
         if best is None or (room and not extends and (shared == 0 or shared < len(ids) // 2)):
-            return Session(self.target, self.draft)
-        best = best if shared > 0 else self.idle[0]  # no room: the least recently used
-        self.idle.remove(best)
-        return best
+            return -1
+        return self.idle.index(best) if shared > 0 else 0  # no room: the least recently used
 
-    def give_back(self, session: Session) -> None:
-        """Return a Session after its request; drop the oldest until the budget holds."""
+    def give_back(self, session: Session, mirror=None) -> None:
+        """Return a Session after its request; drop the oldest until the budget holds.
+        `mirror`: where the target is split over ranks, rank 0's measure decides on every
+        rank (a rank's caches hold its part of the target's; only rank 0's drafters run)."""
         self.idle.append(session)
         sizes = [session_bytes(s) for s in self.idle]
-        while sum(sizes) > self.budget_bytes and len(self.idle) > 1:
-            self.idle.pop(0)
-            sizes.pop(0)
-        if sum(sizes) > self.budget_bytes:  # the one just used is over the budget on its own
+        drop = 0
+        while sum(sizes[drop:]) > self.budget_bytes and len(self.idle) - drop > 1:
+            drop += 1
+        reset = sum(sizes[drop:]) > self.budget_bytes  # the one just used, alone over it
+        if mirror is not None:
+            drop, reset = mirror.numbers([drop, int(reset)])
+        del self.idle[:drop], sizes[:drop]
+        if reset:
             session.reset()
             sizes = [0]
         self.cache_bytes = sum(sizes)

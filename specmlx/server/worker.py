@@ -5,11 +5,18 @@ touched concurrently and the event loop stays free for other requests (and /heal
 while a reply decodes. A request submits a Job and awaits its text; a Job whose client
 has gone is cancelled, and the thread stops it before the next round (or the next
 prefill chunk), so the Session's caches hold only what was emitted.
+
+Where the target is split over ranks (specmlx.distributed), only rank 0 serves HTTP; the
+others `follow`: a `Mirror` sends each Job that rank 0 decodes to them, and rank 0's
+choices in it (the Session taken and those dropped, and whether to go on after each
+prefill chunk and each token: a client that leaves, a stop string), so that every rank
+runs the same passes and stops at the same token.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import queue
 import threading
 import time
@@ -78,9 +85,70 @@ class Job:
             pass
 
 
+class Mirror:
+    """Rank 0's decisions, sent to the other ranks (nothing to send: one process)."""
+
+    def __init__(self, world=None):
+        self.world = world
+        self.leader = world is None or world.rank() == 0
+
+    def numbers(self, values: list[int]) -> list[int]:
+        if self.world is None:
+            return values
+        from ..distributed import broadcast_ints
+
+        return broadcast_ints(values, self.world)
+
+    def flag(self, value: bool) -> bool:
+        return bool(self.numbers([int(value)])[0])
+
+    def job(self, job: Job | None) -> Replayed | None:
+        """Rank 0: its next Job (None: the server stops) to the others; another rank: it."""
+        if self.world is None:
+            return None
+        from ..distributed import broadcast_bytes
+
+        sent = None
+        if self.leader:
+            fields = None if job is None else [job.ids, job.settings, job.stops]
+            sent = json.dumps(fields).encode()
+        fields = json.loads(broadcast_bytes(sent, self.world))
+        if fields is None:
+            return None
+        ids, settings, stops = fields
+        if settings.get("logit_bias"):  # JSON's keys are text
+            settings["logit_bias"] = {int(k): v for k, v in settings["logit_bias"].items()}
+        return Replayed(ids, settings, stops)
+
+
+class Replayed:
+    """Another rank's copy of rank 0's Job: decoded alike, its text sent nowhere."""
+
+    def __init__(self, ids: list[int], settings: dict, stops: list[str]):
+        self.ids, self.settings, self.stops = ids, settings, stops
+        self.arrived = time.perf_counter()
+        self.cancelled = threading.Event()  # never set: rank 0's flags decide
+
+    def emit(self, kind: str, value) -> None:
+        pass
+
+
+def follow(pool: SessionPool, mirror: Mirror) -> int:
+    """Another rank's server: decode each Job rank 0 decodes, until rank 0 stops; how many."""
+    served = 0
+    while (job := mirror.job(None)) is not None:
+        try:
+            decode(job, pool, mirror)
+        except Exception:  # rank 0's decode raised the same, and told its client
+            pass
+        served += 1
+    return served
+
+
 class Worker:
-    def __init__(self, pool: SessionPool):
+    def __init__(self, pool: SessionPool, mirror: Mirror | None = None):
         self.pool = pool
+        self.mirror = mirror or Mirror()
         self.decoded_tokens = 0  # every reply's, those cut short by a client leaving too
         self._jobs: queue.Queue[Job | None] = queue.Queue()  # FIFO: first come first served
         self._thread = threading.Thread(target=self._serve, name="specmlx-decode", daemon=True)
@@ -106,8 +174,9 @@ class Worker:
         while (job := self._jobs.get()) is not None:
             if job.cancelled.is_set():  # its client left while it waited
                 continue
+            self.mirror.job(job)
             try:
-                done = decode(job, self.pool)
+                done = decode(job, self.pool, self.mirror)
             except Gone:  # its client left during the prefill: nobody to tell
                 continue
             except Exception as e:  # the request's error, never the thread's end
@@ -115,17 +184,19 @@ class Worker:
                 continue
             self.decoded_tokens += done.stats.tokens
             job.emit("done", done)
+        self.mirror.job(None)  # the other ranks stop following
 
 
-def decode(job: Job, pool: SessionPool) -> Finished:
+def decode(job: Job | Replayed, pool: SessionPool, mirror: Mirror | None = None) -> Finished:
     """Run one Job on the Session that holds the longest prefix of its prompt."""
     started, first = time.perf_counter(), None
+    mirror = mirror or Mirror()
 
     def prefilled(done: int, total: int) -> None:
-        if job.cancelled.is_set():
+        if mirror.flag(job.cancelled.is_set()):
             raise Gone  # generate() leaves the caches for the next call to prefill anew
 
-    session = pool.take(job.ids)
+    session = pool.take(job.ids, mirror)
     try:
         gen = generate(
             session.model,
@@ -149,7 +220,7 @@ def decode(job: Job, pool: SessionPool) -> Finished:
                 shown += len(step.text)
                 text, cut = stop.add(step.text)
                 send(text)
-                if cut or job.cancelled.is_set():
+                if mirror.flag(cut or job.cancelled.is_set()):
                     break
             else:
                 # The detokenizer's held-back bytes, flushed once the last token is known.
@@ -158,7 +229,7 @@ def decode(job: Job, pool: SessionPool) -> Finished:
         finally:
             gen.close()  # a Generation stopped early trims the caches to what was emitted
     finally:
-        pool.give_back(session)
+        pool.give_back(session, mirror)
     stats = gen.stats
     reason = "stop" if cut or stats.finish_reason == "eos" else "length"
     ttft = (first or time.perf_counter()) - job.arrived
