@@ -23,8 +23,9 @@ a `Lockstep` with the same interface, so the engine's round loop runs unchanged:
   with the same keys, so the verdicts agree without being sent.
 
 A call ends where the engine ends it (max tokens, EOS), the same on every rank; a
-consumer that closes the Generation early must do so at the same step on every rank
-(the CLI runs the same stop strings on each over the same tokens).
+consumer that closes the Generation early must do so at the same step on every rank:
+the CLI runs the same stop strings on each over the same tokens (a Ctrl-C ends every
+rank), and the server sends rank 0's word after each token (server.worker.Mirror).
 """
 
 from __future__ import annotations
