@@ -64,33 +64,31 @@ def can_shard(module: Any) -> dict[str, bool]:
     return {"tensor": hasattr(module, "shard"), "pipeline": hasattr(inner, "pipeline")}
 
 
-def pick_shard(module: Any, how: str, name: str) -> str:
+def pick_shard(module: Any, how: str) -> str:
     """The split `how` asks for ("auto": tensor where the model has it, else pipeline), or
     a one-line refusal where the model's mlx-lm class has neither, or not that one."""
     if how not in SHARDS:
         raise SpecmlxError(f"--shard must be one of {', '.join(SHARDS)}, got {how!r}")
     has = can_shard(module)
+    kind = getattr(module, "model_type", type(module).__name__)
+    if not any(has.values()):
+        raise SpecmlxError(
+            f"mlx-lm's {kind} cannot be split over ranks (its class has neither shard() nor "
+            "pipeline()): it runs on one machine only; pick a model mlx-lm can split (qwen2, "
+            "qwen3, llama, deepseek_v3, ...)"
+        )
     if how == "auto":
         how = "tensor" if has["tensor"] else "pipeline"
     if has[how]:
         return how
-    kind = getattr(module, "model_type", type(module).__name__)
-    others = [k for k, ok in has.items() if ok]
-    instead = (
-        f"; use --shard {others[0]}"
-        if others
-        else (
-            ": it runs on one machine only (pick a model that mlx-lm can shard, e.g. qwen2, "
-            "qwen3, llama, deepseek_v3)"
-        )
-    )
-    raise SpecmlxError(f"mlx-lm's {kind} cannot be split by {how} parallelism{instead}")
+    other = "pipeline" if how == "tensor" else "tensor"
+    raise SpecmlxError(f"mlx-lm's {kind} cannot be split by {how} parallelism; use --shard {other}")
 
 
 def shard(module: Any, how: str, world: Any, name: str) -> str:
     """Split `module` over `world` as mlx-lm's sharded_load does; returns the split used
     ("tensor" or "pipeline"). Its weights stay lazy: each rank reads only its part."""
-    how = pick_shard(module, how, name)
+    how = pick_shard(module, how)
     try:
         if how == "tensor":
             module.shard(world)
