@@ -1,12 +1,12 @@
 """One rank of tests/test_distributed.py's two: run as a process with MLX_RANK and
 MLX_HOSTFILE set (what mlx.launch sets), `python ranks_worker.py SPEC.json`.
 
-For each config of the spec (a target split over the ranks, its draft whole), it writes
-what the test compares: greedy tokens of the target alone and of speculation (auto γ, a
-fixed γ, trees, prompt lookup), coupled samples at T = 1 with and without drafts, a
-rejection-sampled reply, and on rank 0 the target's logits over the prompt; and for the
-spec's "chi" entry, the counts of the first two tokens over many seeded two-token
-generations under rejection sampling. Every rank writes its own rank{r}.json.
+For each config of the spec (a target split over the ranks; its draft model or MTP head
+whole), it writes what the test compares: greedy tokens of the target alone and of
+speculation (auto γ, a fixed γ, trees, prompt lookup), coupled samples at T = 1 with and
+without drafts, a rejection-sampled reply, and on rank 0 the target's logits over the
+prompt; and for the spec's "chi" entry, the counts of the first two tokens over many
+seeded two-token generations under rejection sampling. Every rank writes its own rank{r}.json.
 """
 
 from __future__ import annotations
@@ -31,7 +31,12 @@ def tokens(target, draft=None, **kw) -> list[int]:
 
 def run_config(config: dict, world, out: Path) -> dict:
     target = specmlx.load(config["target"], group=world, shard=config["shard"])
-    draft = specmlx.load(config["draft"])
+    if config["draft"] == "mtp":  # the MTP layer the target's checkpoint ships: a head
+        from specmlx.heads.mtp import load_mtp
+
+        draft = load_mtp(target)
+    else:
+        draft = specmlx.load(config["draft"])
     ids = target.tokenizer.encode(PROMPT)
     logits = target.module(mx.array(ids)[None])
     mx.eval(logits)

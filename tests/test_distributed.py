@@ -7,8 +7,9 @@ What holds, and is checked:
 
 - greedy speculation (auto γ, a fixed γ, trees, prompt lookup) on two ranks equals the
   two ranks' target alone, token for token, tensor parallel (qwen2, llama, qwen3_moe,
-  and qwen2 in INT4 on the native kernel) and pipeline parallel (qwen3_next, which
-  mlx-lm can only pipeline, and qwen2 dense and INT4); coupled sampling at T = 1 too;
+  qwen2 in INT4 on the native kernel, and glm4_moe drafting with its MTP head) and
+  pipeline parallel (qwen3_next, which mlx-lm can only pipeline, alone and with its MTP
+  head, and qwen2 dense and INT4); coupled sampling at T = 1 too;
 - both ranks emit the same tokens, rejection sampling included;
 - against one process: a pipeline split gives the same logits bit for bit (each layer runs
   whole, on the same kernels: the native INT4 kernel included), a tensor split does not
@@ -106,14 +107,16 @@ def int4(path: Path, seed: int) -> Path:
     return path
 
 
-CONFIGS = {  # name: (architecture, split, INT4)
-    "qwen2-tensor": ("qwen2", "tensor", False),
-    "llama-tensor": ("llama", "tensor", False),
-    "qwen3_moe-tensor": ("qwen3_moe", "tensor", False),
-    "qwen3_next-auto": ("qwen3_next", "auto", False),  # mlx-lm pipelines it only
-    "qwen2-pipeline": ("qwen2", "pipeline", False),
-    "qwen2-int4-tensor": ("qwen2", "tensor", True),
-    "qwen2-int4-pipeline": ("qwen2", "pipeline", True),
+CONFIGS = {  # name: (architecture, split, what: "" dense, "int4", or "mtp": its MTP head drafts)
+    "qwen2-tensor": ("qwen2", "tensor", ""),
+    "llama-tensor": ("llama", "tensor", ""),
+    "qwen3_moe-tensor": ("qwen3_moe", "tensor", ""),
+    "qwen3_next-auto": ("qwen3_next", "auto", ""),  # mlx-lm pipelines it only
+    "qwen2-pipeline": ("qwen2", "pipeline", ""),
+    "qwen2-int4-tensor": ("qwen2", "tensor", "int4"),
+    "qwen2-int4-pipeline": ("qwen2", "pipeline", "int4"),
+    "glm4_moe-mtp-tensor": ("glm4_moe", "tensor", "mtp"),
+    "qwen3_next-mtp-pipeline": ("qwen3_next", "pipeline", "mtp"),
 }
 
 
@@ -126,6 +129,8 @@ def models(tmp_path_factory) -> dict:
         draft = build_tiny_model(root / f"{arch}-d", arch=arch, seed=1, perturb_from=target)
         pairs[arch] = (target, draft)
     pairs["qwen2-int4"] = (int4(root / "int4-t", 0), int4(root / "int4-d", 1))
+    for arch in ("glm4_moe", "qwen3_next"):
+        pairs[f"{arch}-mtp"] = (build_tiny_model(root / f"{arch}-mtp", arch=arch, mtp=True), "mtp")
     chi_target = build_tiny_model(root / "chi-t", seed=0, layers=1)
     chi_draft = build_tiny_model(
         root / "chi-d", seed=1, layers=1, perturb_from=chi_target, noise=0.1
@@ -140,9 +145,9 @@ def models(tmp_path_factory) -> dict:
     return {"root": root, **pairs}
 
 
-def pair(models, name: str) -> tuple[Path, Path]:
-    arch, _, quantized = CONFIGS[name]
-    return models[f"{arch}-int4" if quantized else arch]
+def pair(models, name: str) -> tuple[Path, Path | str]:
+    arch, _, what = CONFIGS[name]
+    return models[f"{arch}-{what}" if what else arch]
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +189,7 @@ def test_greedy_speculation_on_two_ranks_equals_their_target_alone(two_ranks, na
     for variant in ("auto", "fixed", "tree", "lookup"):
         assert got[variant] == got["alone"], variant
     assert got["coupled"] == got["coupled_alone"]
-    assert got["shard"] == ("pipeline" if name.endswith(("pipeline", "auto")) else "tensor")
+    assert got["shard"] == ("tensor" if CONFIGS[name][1] == "tensor" else "pipeline")
 
 
 def test_every_rank_emits_the_same_tokens(two_ranks):
@@ -197,8 +202,7 @@ def test_every_rank_emits_the_same_tokens(two_ranks):
 def test_the_split_against_one_process(two_ranks, models, name):
     """Pipeline: the logits of one process, bit for bit. Tensor: within float32 rounding
     (the halves' sums), and the same greedy tokens."""
-    target_dir, draft_dir = pair(models, name)
-    target = specmlx.load(target_dir)
+    target = specmlx.load(pair(models, name)[0])
     ids = target.tokenizer.encode(PROMPT)
     alone = np.array(target.module(mx.array(ids)[None]))
     split = np.load(two_ranks["out"] / f"{name}-logits.npy")

@@ -214,7 +214,8 @@ def skeleton(model: nn.Module, config: dict) -> MTPHead:
     layout = layout_of(config)
     inner = text_model(model)
     args = inner.args
-    layer_class = type(inner.model.layers[0])
+    # a pipeline split (specmlx.distributed) leaves other ranks' layers as None
+    layer_class = type(next(layer for layer in inner.model.layers if layer is not None))
     layer = layer_class(args) if layout.index is None else layer_class(args, layout.index(args))
     return MTPHead(layer, args.hidden_size, getattr(args, "rms_norm_eps", 1e-6), layout)
 
