@@ -149,9 +149,11 @@ needs_fast_blas = pytest.mark.skipif(
 
 
 @needs_fast_blas
-def test_cli_loads_openblas_in_process_for_fp32_weights():
+def test_cli_loads_openblas_for_fp32_weights_in_process_or_by_one_reexec():
+    # in-process where it loads there; a wheel's OpenBLAS on a system without the
+    # libgfortran it links loads by one re-exec, preloaded beside mlx's own libgfortran
     starts, info = run_probe()
-    assert starts == 1 and info["fast"] and info["how"] == "in-process"
+    assert info["fast"] and (starts, info["how"]) in ((1, "in-process"), (2, "LD_PRELOAD"))
     # active_library: the library MLX's cblas_sgemm now resolves to.
     assert info["name"].startswith("OpenBLAS") and info["threads"] == 1
     _, reference = run_probe(["--no-fast-blas", *FP32])

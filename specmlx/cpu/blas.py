@@ -223,10 +223,11 @@ def setup_cli(no_fast_blas: bool = False) -> None:
     env.update(_blas_env(n))
     env[ENV_GUARD] = threads_why
     env["LD_PRELOAD"] = ":".join(filter(None, [str(lib), env.get("LD_PRELOAD")]))
-    if "libgfortran" in why:
-        folders = [str(f) for f in _gfortran_dirs()]
-        if not folders:
-            return
+    # A wheel's OpenBLAS links libgfortran.so.5, which mlx[cpu] bundles under a hashed
+    # name: its folder goes on the path whatever kept the library out in-process (mlx
+    # imported first hides that it needs one), and the check below says if it is enough.
+    folders = [str(f) for f in _gfortran_dirs()]
+    if folders:
         env["LD_LIBRARY_PATH"] = ":".join(filter(None, [*folders, env.get("LD_LIBRARY_PATH")]))
     # A preloaded library that fails to load kills every process started with it, so try
     # the environment on a bare interpreter first (~20 ms, and only on this rare path).

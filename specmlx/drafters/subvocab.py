@@ -133,9 +133,14 @@ def sub_head(model: Model, ids: mx.array, width: int) -> SubHead:
     return SubHead(ids, width, rows, tied)
 
 
-def draft_size(model: Model, default: int | None = DEFAULT_SIZE) -> int | None:
+def draft_size(model: Model) -> int | None:
     """The sub-vocabulary size for this draft model, None for the full head: $SPECMLX_DRAFT_VOCAB
-    (a number of tokens, or "full"), else `default`, where the head can be cut."""
+    (a number of tokens, or "full"), else DEFAULT_SIZE, where the head can be cut."""
+    return sized(model, DEFAULT_SIZE)
+
+
+def sized(model: Model, default: int | None) -> int | None:
+    """As draft_size, with `default` where $SPECMLX_DRAFT_VOCAB is unset (a head's own)."""
     text = os.environ.get(ENV, "").strip().lower()
     if text == "full" or (not text and default is None):
         return None

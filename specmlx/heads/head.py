@@ -9,7 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..drafters.subvocab import draft_size, sub_head, sub_vocab
+from ..drafters.subvocab import sized, sub_head, sub_vocab
 from ..lm_head import head_layer
 from ..loading import Model, backend, cast_floating
 
@@ -70,7 +70,7 @@ HEAD_VOCAB = 32768
 
 def head_vocab(target: Model) -> int | None:
     """The sub-vocabulary size a new head gets: $SPECMLX_DRAFT_VOCAB, else HEAD_VOCAB."""
-    return draft_size(target, HEAD_VOCAB)
+    return sized(target, HEAD_VOCAB)
 
 
 def target_rows(target: Model, size: int | None) -> tuple[nn.Module, bool, mx.array | None]:
