@@ -19,6 +19,10 @@ from specmlx.tiny import build_tiny_model
 # would otherwise be downloaded or built): "tiny" is the tiny random demo pair. Set in the
 # environment so that subprocesses (`python -m specmlx ...`) inherit it.
 os.environ.setdefault("SPECMLX_MODEL", "tiny")
+# Tests call the CLI's main() in-process: a command that re-executes itself to put a
+# fast BLAS under MLX (specmlx.cpu.blas.setup_cli) would replace pytest. tests/test_cpu_blas.py
+# runs the re-exec in subprocesses, with the SPECMLX_ variables cleared.
+os.environ.setdefault("SPECMLX_NO_REEXEC", "1")
 # Tests write costs, configs and demo models under $SPECMLX_HOME: never the user's own.
 # The real converted models (for the tests that use them when present) stay findable.
 os.environ.setdefault("SPECMLX_REAL_HOME", str(home()))

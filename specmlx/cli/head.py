@@ -78,16 +78,8 @@ def train(
     ),
 ) -> None:
     """Train a feature head for TARGET on its own features (self-distillation)."""
-    from ..cpu import blas
-
-    # The training's float32 matmuls run on the BLAS that libmlx binds when it loads
-    # (specmlx/cpu/blas.py): in-process where it loads there, else by re-executing once
-    # with it preloaded (a wheel's OpenBLAS that needs a libgfortran the system lacks):
-    # MLX's bundled reference BLAS is tens of times slower.
-    blas.setup_cli(bool((ctx.parent.params if ctx.parent else {}).get("no_fast_blas")))
-    why_slow = blas.blas_info().get("why_not_fast", "")
-
     from ..convert.output import check_writable
+    from ..cpu import blas
     from ..heads import corpus, what_is
     from ..heads import train as training
 
@@ -107,6 +99,13 @@ def train(
     if (out.exists() or out.is_symlink()) and what_is(out) != "head":
         raise SpecmlxError(f"{out} exists and is not a head; pick another -o or remove it")
     sources = corpus.find_sources([*data, *(more or [])], out)
+    # The training's float32 matmuls run on the BLAS that libmlx binds when it loads
+    # (specmlx/cpu/blas.py): in-process where it loads there, else by re-executing once
+    # with it preloaded (a wheel's OpenBLAS that needs a libgfortran the system lacks):
+    # MLX's bundled reference BLAS is tens of times slower. Only once the input is known
+    # good: a re-exec starts the command again, in place of whatever ran it.
+    blas.setup_cli(bool((ctx.parent.params if ctx.parent else {}).get("no_fast_blas")))
+    why_slow = blas.blas_info().get("why_not_fast", "")
 
     err = Console(stderr=True, soft_wrap=True)
     log = lambda text: err.print(text, markup=False, highlight=False)  # noqa: E731
