@@ -185,14 +185,7 @@ def build_model(config: dict, weights: dict, classes=model_classes):
         def per_layer(path: str, module) -> bool | dict:
             if path in quantization:  # per-layer settings
                 return quantization[path]
-            if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
-                return False
-            in_dims = module.weight.shape[-1]
-            return {
-                "group_size": in_dims // weights[f"{path}.scales"].shape[-1],
-                "bits": weights[f"{path}.weight"].shape[-1] * 32 // in_dims,
-                "mode": "affine",
-            }
+            return stored_quantization(path, module, weights)
 
         nn.quantize(
             model,
@@ -204,3 +197,16 @@ def build_model(config: dict, weights: dict, classes=model_classes):
     model.eval()
     model.load_weights(list(weights.items()), strict=True)
     return model
+
+
+def stored_quantization(path: str, layer, weights: dict) -> bool | dict:
+    """nn.quantize's class_predicate for a layer whose weights come quantized: its group
+    size and bits read off the stored shapes (False where it has no .scales)."""
+    if not hasattr(layer, "to_quantized") or f"{path}.scales" not in weights:
+        return False
+    in_dims = layer.weight.shape[-1]
+    return {
+        "group_size": in_dims // weights[f"{path}.scales"].shape[-1],
+        "bits": weights[f"{path}.weight"].shape[-1] * 32 // in_dims,
+        "mode": "affine",
+    }

@@ -213,7 +213,7 @@ class Target:
         """A plain pass over x: `last`, x's token where it is known (a processor that reads
         the generated tokens needs it; pipelines() says when it can be unknown)."""
         logits, hidden = self._forward(x)
-        logits = self._process(logits[-1:], [last or []])
+        logits = self._process(logits[-1:], lambda: [last or []])
         probs, token = self.draw(logits, key)
         if run:
             mx.async_eval(token)
@@ -232,7 +232,7 @@ class Target:
         drafts = proposal.tokens.tolist()
         if proposal.is_chain:
             logits, hidden = self._forward(x)
-            logits = self._process(logits, [[last, *drafts[:i]] for i in range(len(x))])
+            logits = self._process(logits, lambda: [[last, *drafts[:i]] for i in range(len(x))])
             q = proposal.q
             if q is None and not (self.params.greedy or self.params.coupled):  # guesses
                 q = point_mass(proposal.tokens, self.vocab_size)
@@ -241,8 +241,7 @@ class Target:
             path = list(range(int(n)))
         else:
             logits, hidden = self._tree_forward(x, proposal.parents)
-            above = [[], *(tree.path_to(proposal.parents, j) for j in range(len(drafts)))]
-            logits = self._process(logits, [[last, *(drafts[k] for k in a)] for a in above])
+            logits = self._process(logits, lambda: self._tree_after(last, drafts, proposal.parents))
             n, token, row, probs = self._judge_tree(logits, proposal, key)
             mx.eval(n, token, row)
             path = tree.path_to(proposal.parents, int(row) - 1)
@@ -311,14 +310,22 @@ class Target:
         with tree_pass(self.cache, self._rope_owners, masks, depths):
             return self._forward(x)
 
-    def _process(self, logits: mx.array, after: list[list[int]]) -> mx.array:
+    def _process(self, logits: mx.array, after: Callable[[], list[list[int]]]) -> mx.array:
         """The processor applied to rows whose tokens follow the cached text and then
-        `after[r]` each: its history is what the call generated up to there."""
+        `after()[r]` each (made only where there is a processor): its history is what the
+        call generated up to there."""
         if self.processor is None:
             return logits
         text = self.cached[self.output_from :]
         start = max(0, self.output_from - len(self.cached))  # the prompt's last token
-        return self.processor(logits, [text + a[start:] for a in after])
+        return self.processor(logits, [text + a[start:] for a in after()])
+
+    @staticmethod
+    def _tree_after(last: int, drafts: list[int], parents: list[int]) -> list[list[int]]:
+        """The tokens after the cached text up to each row of a tree's pass: the root's,
+        then each node's path."""
+        paths = [[], *(tree.path_to(parents, j) for j in range(len(drafts)))]
+        return [[last, *(drafts[k] for k in path)] for path in paths]
 
     def _forward(self, x: mx.array) -> tuple[mx.array, mx.array | None]:
         """(logits (L, V), last hidden states (L, D) or None) of a pass over tokens x."""

@@ -29,6 +29,20 @@ def is_quantized(layer: nn.Module) -> bool:
     return isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding))
 
 
+def dequantized(layer: nn.Module) -> mx.array:
+    """A quantized layer's weight as float32 (a dense layer's as it is, cast)."""
+    if not is_quantized(layer):
+        return layer["weight"].astype(mx.float32)
+    return mx.dequantize(
+        layer["weight"],
+        layer["scales"],
+        layer.get("biases"),
+        group_size=layer.group_size,
+        bits=layer.bits,
+        mode=getattr(layer, "mode", "affine"),
+    ).astype(mx.float32)
+
+
 def dense_params(module: nn.Module) -> int:
     """Parameter count, packed quantized weights counted as the values they hold."""
     layers = dict(module.named_modules())
@@ -103,14 +117,7 @@ def expand_quantized(module: nn.Module, keep_bits: tuple[int, ...] = ()) -> int:
     def dense(_path: str, layer: nn.Module) -> nn.Module:
         if not expands(layer):
             return layer
-        weight = mx.dequantize(
-            layer["weight"],
-            layer["scales"],
-            layer.get("biases"),
-            group_size=layer.group_size,
-            bits=layer.bits,
-            mode=getattr(layer, "mode", "affine"),
-        ).astype(mx.float32)
+        weight = dequantized(layer)
         if isinstance(layer, nn.QuantizedEmbedding):
             new = nn.Embedding(1, 1)  # 1x1: its random init costs nothing; replaced below
         else:

@@ -3,8 +3,9 @@
 Its cache holds one row per position of the text: row i was fed the target's feature at
 position i and the embedding of token i + 1, and its output drafts token i + 2. The
 target's features come with the prompt (Target.features) and with every Verdict (the
-rows of the positions it kept), so the head prefills nothing of its own: it takes the
-rows it lacks with its next draft pass. Its own drafts' rows (fed its own features) are
+rows of the positions it kept), so the head runs no target pass of its own: it takes the
+prompt's rows at the start (one layer over them) and each round's with its next draft
+pass. Its own drafts' rows (fed its own features) are
 trimmed once the target has judged them: the target's features replace them.
 """
 
@@ -87,9 +88,6 @@ class HeadDrafter:
             if len(self.tokens) > 1:
                 self._feed(len(self.tokens) - 1)
 
-    def interrupted(self) -> None:
-        """Its cache trims exactly: the next start aligns it."""
-
     def propose(
         self,
         g: int,
@@ -101,7 +99,7 @@ class HeadDrafter:
         """g drafts and their q, lazily, as the draft model's (drafters/model.py); with a
         `tree` shape, a tree within it (treedraft.grow: a head pass per level)."""
         self.proposals += 1
-        features = mx.concatenate(self.waiting) if len(self.waiting) > 1 else self.waiting[0]
+        features = self._waiting()
         x = mx.array(self.tokens, mx.uint32)
         self.text += self.tokens
         self.waiting, self.tokens = [], []
@@ -191,7 +189,7 @@ class HeadDrafter:
 
     def _feed(self, n: int) -> None:
         """Feed the first n waiting rows through the head, in bounded chunks."""
-        features = mx.concatenate(self.waiting) if len(self.waiting) > 1 else self.waiting[0]
+        features = self._waiting()
         tokens = self.tokens[:n]
         for at in range(0, n, PREFILL_STEP):
             x = mx.array(tokens[at : at + PREFILL_STEP], mx.uint32)
@@ -200,6 +198,10 @@ class HeadDrafter:
             mx.eval(self.cache[0].state)
         self.text += tokens
         self.waiting, self.tokens = [features[n:]], self.tokens[n:]
+
+    def _waiting(self) -> mx.array:
+        """The waiting rows' features as one array."""
+        return mx.concatenate(self.waiting) if len(self.waiting) > 1 else self.waiting[0]
 
     def _run(self, x: mx.array, features: mx.array) -> tuple[mx.array, mx.array]:
         """A head pass over tokens x (L,) and their rows' features (L, F), lazily."""

@@ -38,7 +38,7 @@ from ..errors import SpecmlxError
 from ..loading import Model
 from ..safetensors import read_header
 from .feature import text_args
-from .head import Head, ready
+from .head import Head, quantize_linears, ready
 
 WEIGHTS = "model.safetensors"  # the quantized copy's one file
 MAPPING = ("d2t", "t2d")  # buffers, not parameters of the module
@@ -256,14 +256,7 @@ def quantize_eagle3(src: Path, out: Path, group_size: int = 64, bits: int = 4) -
     if config.get("quantization"):
         raise SpecmlxError(f"{src} is already quantized; quantize the original checkpoint")
     module = build(config, weights, src)
-    nn.quantize(
-        module,
-        group_size=group_size,
-        bits=bits,
-        class_predicate=lambda _, m: (
-            isinstance(m, nn.Linear) and m.weight.shape[-1] % group_size == 0
-        ),
-    )
+    quantize_linears(module, group_size, bits)
     tensors = dict(tree_flatten(module.parameters()))
     tensors.update({k: weights[k] for k in MAPPING if k in weights})
     config = {**config, "quantization": {"group_size": group_size, "bits": bits}}

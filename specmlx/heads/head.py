@@ -83,20 +83,25 @@ def target_rows(target: Model, size: int | None) -> tuple[nn.Module, bool, mx.ar
     return cut.rows, cut.tied, cut.ids
 
 
+def quantize_linears(module: nn.Module, group_size: int, bits: int) -> None:
+    """A head's linear layers quantized in MLX's format, where their inputs divide into
+    groups (the norms and the target's shared rows are not the head's to quantize)."""
+    nn.quantize(
+        module,
+        group_size=group_size,
+        bits=bits,
+        class_predicate=lambda _, m: (
+            isinstance(m, nn.Linear) and m.weight.shape[-1] % group_size == 0
+        ),
+    )
+
+
 def ready(module: nn.Module, target: Model) -> None:
     """Put a head in the target's form: its linear layers in INT4 where the target keeps
     INT4, else cast to the target's dtype; on the CPU, prepared as the target was."""
     quantization = target.quantization
     if quantization and target.weights != "fp32":
-        size, bits = quantization["group_size"], quantization["bits"]
-        nn.quantize(
-            module,
-            group_size=size,
-            bits=bits,
-            class_predicate=lambda _, m: (
-                isinstance(m, nn.Linear) and m.weight.shape[-1] % size == 0
-            ),
-        )
+        quantize_linears(module, quantization["group_size"], quantization["bits"])
     cast_floating(module, target.dtype)
     module.eval()
     if backend() == "cpu":

@@ -44,7 +44,7 @@ from mlx_lm.models.cache import KVCache
 
 from ..errors import SpecmlxError
 from ..loading import Model
-from ..mlxlm import MODEL_REMAPPING
+from ..mlxlm import MODEL_REMAPPING, stored_quantization
 from ..safetensors import read_header
 from .feature import FeatureHead
 from .head import Head, head_vocab, ready, target_rows
@@ -264,18 +264,7 @@ def stored_name(config: dict, name: str) -> str:
 def quantize_as_stored(module: nn.Module, weights: dict[str, mx.array]) -> None:
     """Quantize the layers that come with .scales, their bits and group size read off the
     stored shapes (as specmlx.mlxlm.build_model does for a model)."""
-
-    def stored(path: str, layer: nn.Module) -> bool | dict:
-        if not hasattr(layer, "to_quantized") or f"{path}.scales" not in weights:
-            return False
-        in_dims = layer.weight.shape[-1]
-        return {
-            "group_size": in_dims // weights[f"{path}.scales"].shape[-1],
-            "bits": weights[f"{path}.weight"].shape[-1] * 32 // in_dims,
-            "mode": "affine",
-        }
-
-    nn.quantize(module, class_predicate=stored)
+    nn.quantize(module, class_predicate=lambda path, m: stored_quantization(path, m, weights))
 
 
 def build(model: nn.Module, config: dict, weights: dict[str, mx.array], where: str) -> MTPHead:

@@ -45,6 +45,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ..cpu.fp32 import dequantized
 from ..errors import SpecmlxError
 from ..lm_head import cuttable
 from ..loading import Model
@@ -154,20 +155,10 @@ def output_rows(target: Model) -> tuple[mx.array, mx.array]:
     once so that the training's matmuls run on the BLAS (and have a gradient, which the
     native kernel's do not); rows past the tokenizer's vocabulary (padding) left out."""
     rows, _, ids = target_rows(target, head_vocab(target))
-    if isinstance(rows, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-        weight = mx.dequantize(
-            rows["weight"],
-            rows["scales"],
-            rows.get("biases"),
-            group_size=rows.group_size,
-            bits=rows.bits,
-            mode=getattr(rows, "mode", "affine"),
-        )
-    else:
-        weight = rows["weight"]
+    weight = dequantized(rows)
     ids = mx.arange(weight.shape[0], dtype=mx.uint32) if ids is None else ids
     real = np.flatnonzero(np.array(ids) < target.vocab_size)
-    weight = weight.astype(mx.float32)[mx.array(real)]
+    weight = weight[mx.array(real)]
     ids = ids[mx.array(real)]
     mx.eval(weight, ids)
     return weight, ids
