@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from ..engine import Stats, generate
+from ..engine import Stats, Step, generate
 from ..stops import StopText
 from .pool import SessionPool
 
@@ -51,6 +51,9 @@ class Job:
         self.ids, self.settings, self.stops, self.arrived = ids, settings, stops, arrived
         self.cancelled = threading.Event()
         self.finished: Finished | None = None
+        # Every Step decoded so far, on the loop: each arrives before the text it adds, so
+        # a reply's pieces can carry their tokens' log-probabilities and sources.
+        self.steps: list[Step] = []
         self._loop = asyncio.get_running_loop()
         self._events: asyncio.Queue = asyncio.Queue()
 
@@ -63,7 +66,9 @@ class Job:
         last one. An error in the decode is raised here."""
         while True:
             kind, value = await self._events.get()
-            if kind == "text":
+            if kind == "step":
+                self.steps.append(value)
+            elif kind == "text":
                 yield value
             elif kind == "done":
                 self.finished = value
@@ -217,6 +222,7 @@ def decode(job: Job | Replayed, pool: SessionPool, mirror: Mirror | None = None)
         try:
             for step in gen:
                 first = first or time.perf_counter()
+                job.emit("step", step)
                 shown += len(step.text)
                 text, cut = stop.add(step.text)
                 send(text)
