@@ -55,6 +55,11 @@ class Step:
     # logits (before temperature, top-k, top-p) and the k most likely (id, log-probability)
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    # Where it came from, for a reader that shows speculation at work (the server's chat
+    # page): the drafter whose accepted draft it is ("model", "lookup", "head"...; None
+    # for the target's own sample), and how many drafts its round proposed.
+    drafter: str | None = None
+    round_drafts: int = 0
 
 
 @dataclass(frozen=True)
@@ -387,7 +392,7 @@ def _decode(
             asked = min(plan.gamma, left - 1)
         target.next_round(more and asked == 0, last, keys.plain(produced))
         policy.while_running()  # what the policy can learn with the next pass running
-        for step in text.steps(verdict, max_tokens - stats.tokens):
+        for step in text.steps(verdict, max_tokens - stats.tokens, summary):
             stats.tokens += 1
             if stats.tokens == 1:
                 stats.ttft = time.perf_counter() - start
@@ -511,7 +516,7 @@ class _Text:
         self.flushed = False
         self.logprobs = logprobs  # k for each Step's top_logprobs; None: no logprobs
 
-    def steps(self, verdict: Verdict, room: int) -> Iterator[Step]:
+    def steps(self, verdict: Verdict, room: int, summary: RoundSummary) -> Iterator[Step]:
         """Steps for a round's emitted tokens (its first `accepted` were drafts), at most
         `room`, with their log-probabilities where the call asked for them."""
         block, accepted = verdict.emitted, verdict.accepted
@@ -525,7 +530,8 @@ class _Text:
                 self.detok.finalize()  # known to be the last token
                 self.flushed = True
             lp, top = scored[i] if scored is not None else (None, None)
-            yield Step(token, self.detok.last_segment, i < accepted, lp, top)
+            by = summary.source if i < accepted else None  # a plain round accepts none
+            yield Step(token, self.detok.last_segment, i < accepted, lp, top, by, summary.drafted)
 
     def flush(self) -> str:
         """What the detokenizer still held when EOS opened a round: the token before it
