@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
+from . import constrained, processors
 from . import drafters as registry
-from . import processors
 from . import tree as trees
 from .drafters.protocol import Drafter, Proposal, Verdict, cost_id, interrupted
 from .errors import SpecmlxError
@@ -254,6 +254,7 @@ def generate(
     presence_penalty: float = 0.0,
     frequency_penalty: float = 0.0,
     logprobs: int | None = None,
+    grammar: str | None = None,
 ) -> Generation:
     """Generate from `target`, speculatively when a `draft` (or a `drafter`) is given.
 
@@ -283,6 +284,8 @@ def generate(
     to the target's logits at every position it judges: the text follows the processed
     distribution exactly. logprobs: k (0 to settings.MAX_LOGPROBS) to give each Step its
     log-probability and the k most likely tokens'; None (the default) for none.
+    grammar: an llguidance grammar (constrained.json_grammar, tool_call_grammar) the text
+    must follow: its token mask is one more processor, so the text is the masked target's.
     """
     params, num_draft = check_settings(
         max_tokens, temperature, top_p, top_k, num_draft, draft_mode, sampling
@@ -290,7 +293,10 @@ def generate(
     check_seed(seed)
     tree = parse_tree(tree)
     check_processing(logit_bias, presence_penalty, frequency_penalty, logprobs, target.vocab_size)
-    processor = processors.make(logit_bias, presence_penalty, frequency_penalty)
+    if grammar is not None:
+        constrained.check(target, grammar)
+    mask = constrained.mask(target, grammar) if grammar is not None else None
+    processor = processors.make(logit_bias, presence_penalty, frequency_penalty, mask)
     if session is None:
         session = Session(target, draft)
     elif session.model is not target or not any(draft is d for d in (None, *session.sources)):
@@ -307,6 +313,8 @@ def generate(
     nodes = tree_nodes(tree, num_draft == "auto") if session.target.verifies_trees else 0
     policy = _policy(session, params, num_draft if chosen else 0, chosen, nodes)
     policy = lockstep(policy, target, params)  # split over ranks: every rank one plan
+    if session.target.batch is not None:  # its passes shared with others' (specmlx.batch)
+        policy = session.target.batch.wrap(policy)
 
     def steps(gen: Generation) -> Iterator[Step]:
         gen.stats.gamma, gen.stats.draft_mode = num_draft if chosen else 0, mode
@@ -369,7 +377,7 @@ def _decode(
         round_key, draft_keys = keys.round(produced, asked)
         t0, proposal = time.perf_counter(), None
         if asked > 0:
-            proposal = _propose(plan, asked, draft_keys, target.draw)
+            proposal = _propose(plan, asked, draft_keys, target, last)
             mx.eval(proposal.tokens, proposal.q)
             prompt_s += proposal.prompt_s
             t1 = time.perf_counter()
@@ -428,14 +436,15 @@ def _prefill(
     stats.prefill_time = time.perf_counter() - start
 
 
-def _propose(plan, asked: int, keys: mx.array, draw) -> Proposal:
-    """The planned drafter's proposal of at most `asked` drafts: a tree where the plan has
-    one (cut to `asked` nodes: a planned shape's prefix is the best of its size), else a chain."""
+def _propose(plan, asked: int, keys: mx.array, target: Target, last: int) -> Proposal:
+    """The planned drafter's proposal of at most `asked` drafts after `last`: a tree where
+    the plan has one (cut to `asked` nodes: a planned shape's prefix is the best of its
+    size), else a chain, drawn as the call's processor shapes the target (draft_draw)."""
     if plan.tree is None:
-        proposal = plan.drafter.propose(asked, keys, draw, plan.go_on)
+        proposal = plan.drafter.propose(asked, keys, target.draft_draw(last), plan.go_on)
     else:
         shape = trees.Shape(plan.tree.parents[:asked])
-        proposal = plan.drafter.propose(asked, keys, draw, plan.go_on, tree=shape)
+        proposal = plan.drafter.propose(asked, keys, target.draw, plan.go_on, tree=shape)
     return _at_most(asked, proposal)
 
 

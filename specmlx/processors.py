@@ -6,8 +6,9 @@ samples from: `processor(logits (R, V), histories)`, where histories[r] are the 
 generated before row r's token (the call's own output: the prompt never counts, as in
 OpenAI's API). The Target applies it before every judgement, plain or speculative, so the
 text follows the processed distribution exactly at any temperature, and greedy output
-is the processed argmax. A drafter's q is left as it is: verification is exact for any q,
-and only the drafts of tokens a processor moves are accepted less often.
+is the processed argmax. A chain's drafts are drawn from the draft's logits processed
+alike (Target.draft_draw), so that they stay acceptable; verification is exact for any
+q, so this changes only how often drafts are accepted.
 """
 
 from __future__ import annotations
@@ -71,11 +72,19 @@ def combine(processors: list[Processor]) -> Processor | None:
     return process
 
 
-def make(bias: dict[int, float] | None, presence: float, frequency: float) -> Processor | None:
-    """The processor a call's settings ask for (settings.check_processing checked them)."""
+def make(
+    bias: dict[int, float] | None,
+    presence: float,
+    frequency: float,
+    mask: Processor | None = None,
+) -> Processor | None:
+    """The processor a call's settings ask for (settings.check_processing checked them);
+    a grammar's `mask` (constrained.py) goes last, so that nothing lifts a token it forbids."""
     made = []
     if bias:
         made.append(logit_bias(bias))
     if presence or frequency:
         made.append(penalties(presence, frequency))
+    if mask is not None:
+        made.append(mask)
     return combine(made)

@@ -47,7 +47,7 @@ from .errors import SpecmlxError
 from .lm_head import body, body_and_head, cuttable
 from .loading import Model, backend
 from .processors import Processor, reads_history
-from .proposal import Proposal, Verdict, point_mass
+from .proposal import Draw, Proposal, Verdict, point_mass
 from .sampling import SamplingParams
 from .treepass import rope_owners, tree_mask, tree_pass
 from .verify import make_sampler, make_tree_verifier, make_verifier, top_probabilities
@@ -59,6 +59,9 @@ class Target:
         self.hidden = False  # keep the features of each pass (set_hidden)
         self.taps: tuple[int, ...] | None = None  # which layers' outputs are the features
         self._rope_owners: list | None = None  # the attention layers, where a tree's positions go
+        # Its place in a batch (specmlx.batch.Seat), where its passes are shared with
+        # other sequences' in one; None: every pass its own
+        self.batch = None
         self.reset()
 
     def reset(self) -> None:
@@ -108,8 +111,10 @@ class Target:
         """Whether plain passes are queued ahead: only where a trim rolls the cache back
         (the others checkpoint and rewind around every pass). Read once a call: the
         layers' kinds do not change within one. Nor where a processor reads the tokens
-        generated: the pass built ahead does not know its own input yet."""
-        return self._trims and not reads_history(self.processor)
+        generated: the pass built ahead does not know its own input yet. Nor while its
+        passes are shared with other sequences' (a batch runs each round's pass at once)."""
+        shared = self.batch is not None and self.batch.shared
+        return self._trims and not reads_history(self.processor) and not shared
 
     def start(
         self,
@@ -221,6 +226,29 @@ class Target:
 
     # -- drafting rounds ----------------------------------------------------------
 
+    def draft_draw(self, last: int) -> Draw:
+        """What a chain's drafts after `last` are drawn with: the call's sampler, over the
+        draft's logits processed as the target's will be (a bias, penalties, a grammar's
+        mask), each draft's history its own, so that the drafts are ones the processed
+        target can accept. Where the logits are not one position over the full vocabulary
+        (a head's sub-vocabulary, a tree's level), it draws unprocessed: exact either way."""
+        if self.processor is None:
+            return self.draw
+        history = (self.cached + [last])[self.output_from :]
+        processed = True
+
+        def draw(logits: mx.array, key: mx.array) -> tuple:
+            nonlocal processed
+            processed = processed and logits.shape[0] == 1 and logits.shape[-1] >= self.vocab_size
+            if not processed:
+                return self.draw(logits, key)
+            probs, token = self.draw(self.processor(logits, [history]), key)
+            history.append(token.item())
+            return probs, token
+
+        draw.full_width = getattr(self.draw, "full_width", False)
+        return draw
+
     def verify(self, last: int, proposal: Proposal, key: mx.array) -> Verdict:
         """One pass over [last, *proposal's drafts]; the cache keeps the accepted path."""
         start = time.perf_counter()
@@ -308,7 +336,7 @@ class Target:
         dtype = getattr(mx, self.model.dtype)
         masks = [tree_mask(c, depths, ancestry, dtype) for c in layers(self.cache)]
         with tree_pass(self.cache, self._rope_owners, masks, depths):
-            return self._forward(x)
+            return self._forward(x, shareable=False)
 
     def _process(self, logits: mx.array, after: Callable[[], list[list[int]]]) -> mx.array:
         """The processor applied to rows whose tokens follow the cached text and then
@@ -327,8 +355,14 @@ class Target:
         paths = [[], *(tree.path_to(parents, j) for j in range(len(drafts)))]
         return [[last, *(drafts[k] for k in path)] for path in paths]
 
-    def _forward(self, x: mx.array) -> tuple[mx.array, mx.array | None]:
-        """(logits (L, V), last hidden states (L, D) or None) of a pass over tokens x."""
+    def _forward(self, x: mx.array, shareable: bool = True) -> tuple[mx.array, mx.array | None]:
+        """(logits (L, V), last hidden states (L, D) or None) of a pass over tokens x: in a
+        batch, one row of the round's shared pass where it can be (not a tree's, nor one
+        that keeps features)."""
+        if self.batch is not None:
+            logits = self.batch.forward(self.model, self.cache, x, shareable and not self.hidden)
+            if logits is not None:
+                return logits, None
         if self.hidden:
             logits, hidden = body_and_head(self.model, x[None], self.cache, self.taps)
             return logits[0], hidden[0]
