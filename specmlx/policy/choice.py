@@ -307,7 +307,7 @@ class Scheduler:
         self,
         g: int,
         n: int,
-        verify_s: float,
+        verify_s: float | None,
         draft_s: float | None,
         passes: float | None,
         tops: list[float] | None = None,
@@ -317,8 +317,10 @@ class Scheduler:
         """A finished round: g drafts, n accepted; draft_s None for a cost-only probe;
         passes: one-token draft passes that draft_s stands for (None: not a clean figure);
         tops, draft_tops: the target's and the draft's top probability at each draft the
-        target judged (min(n + 1, g) of them)."""
-        self.costs.observe_target(g + 1, verify_s)
+        target judged (min(n + 1, g) of them); verify_s None: a pass shared with other
+        sequences (specmlx.batch), no figure of this one's T(g + 1)."""
+        if verify_s is not None:
+            self.costs.observe_target(g + 1, verify_s)
         if rewind_s:
             self.costs.observe_rewind(rewind_s)
         self.drafting = self.drafting + 1 if g > 0 else 0
@@ -331,11 +333,12 @@ class Scheduler:
             if not self.free_drafts and passes:
                 self.costs.observe_draft(draft_s / passes)
 
-    def record_tree(self, g: int, verify_s: float, walk: list[tuple[int, int]]) -> None:
+    def record_tree(self, g: int, verify_s: float | None, walk: list[tuple[int, int]]) -> None:
         """A finished tree round of g nodes: its verify is a pass over g + 1 tokens like a
         chain's; what it teaches of acceptance is its walk (tree.walk). Its draft time is
         no figure of a one-token pass (its levels run several nodes each)."""
-        self.costs.observe_target(g + 1, verify_s)
+        if verify_s is not None:
+            self.costs.observe_target(g + 1, verify_s)
         self.drafting += 1
         self.acceptance.observe_tree(walk)
 
