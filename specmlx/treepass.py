@@ -18,6 +18,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import RotatingKVCache
 
 from .caches import EXACT_TRIM, layers
+from .cpu.attention import tree_masks
 
 MakeMask = Callable[..., mx.array]
 
@@ -40,7 +41,8 @@ def tree_pass(
     for owner in owners:
         owner["rope"] = TreeRoPE(owner["rope"], at)
     try:
-        yield
+        with tree_masks():
+            yield
     finally:
         for c in every:
             del c.make_mask

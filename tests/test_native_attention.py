@@ -169,6 +169,56 @@ def test_everything_else_falls_back_to_mlx_lm():
         assert mx.array_equal(ours, theirs, equal_nan=True).item(), name
 
 
+def tree_rows_mask(lk, parents):
+    """A tree pass's mask over a cache of lk keys whose last len(parents) + 1 are the
+    tree's rows (the root, then each node): the context and each row's own ancestors."""
+    rows = len(parents) + 1
+    seen = np.eye(rows, dtype=bool)
+    for j, p in enumerate(parents):
+        seen[j + 1] |= seen[p + 1]
+    mask = np.ones((rows, lk), bool)
+    mask[:, lk - rows :] = seen
+    return mx.array(mask)
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 6, 5, 300, 128), (2, 2, 7, 7, 40, 64)])
+def test_a_tree_mask_leaves_out_what_mlx_leaves_out(shape, isas):
+    b, hkv, ratio, lq, lk, d = shape
+    q, k, v = qkv(*shape)
+    mask = tree_rows_mask(lk, [-1, -1, 0, 1, 2, 2][: lq - 1])
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=d**-0.5, mask=mask)
+    for isa in isas:
+        native._ext.set_isa(isa)
+        out = native._ext.scaled_dot_product_attention(q, k, v, d**-0.5, True, mask=mask)
+        assert rel_err(out, want) < 1e-5, isa
+
+
+def test_a_tree_row_reads_only_its_ancestors(isas):
+    # Row 2's parent is the root: the keys of rows 1 (its sibling) and 3, 4 (not its
+    # ancestors) can hold anything without changing a bit of it.
+    q, k, v = qkv(1, 2, 6, 5, 60, 64)
+    mask = tree_rows_mask(60, [-1, -1, 0, 1])
+    noise = mx.random.normal(k.shape, key=mx.random.key(9))
+    keep = mx.array(np.isin(np.arange(60), [56, 58, 59]))[:, None]
+    k2, v2 = mx.where(keep, noise, k), mx.where(keep, noise, v)
+    for isa in isas:
+        native._ext.set_isa(isa)
+        a = native._ext.scaled_dot_product_attention(q, k, v, 0.125, True, mask=mask)
+        b = native._ext.scaled_dot_product_attention(q, k2, v2, 0.125, True, mask=mask)
+        assert np.array_equal(np.array(a)[:, :, 2], np.array(b)[:, :, 2]), isa
+
+
+def test_a_tree_pass_mask_takes_the_native_op_and_no_other_array_mask_does():
+    q, k, v = qkv(1, 2, 6, 4, 100, 64)
+    mask = tree_rows_mask(100, [-1, 0, 0])
+    assert not attention.supports(q, k, v, KVCache(), mask)  # outside a tree's pass
+    with attention.tree_masks():
+        assert attention.supports(q, k, v, KVCache(), mask)
+        assert not attention.supports(q, k, v, KVCache(), mask.astype(mx.float32))  # additive
+        ours, theirs = call_both(q, k, v, mask=mask)
+    assert rel_err(ours, theirs) < 1e-5
+
+
 def test_mlx_mode_runs_mlx_lm_and_the_description_says_which():
     q, k, v = qkv(1, 2, 6, 1, 100, 64)
     assert attention.mode() == "native" and "; native attention" in cpu.describe()

@@ -18,9 +18,11 @@ with a window mask: both go to the op with each key slot's position, worked out 
 cache's state after its update, and the op takes a row's keys in position order within
 the window, so a row gets the same bits in either call. The window is the cache's
 max_size, as every mlx-lm model that builds one makes it (Gemma 3, gpt-oss: a cache of
-sliding_window positions and a mask of the same window). Quantized caches, other array
-masks (padding) and everything else keep mlx-lm's path, for any number of rows: a row
-never switches implementation with the number of rows beside it.
+sliding_window positions and a mask of the same window). A tree's pass (specmlx.treepass:
+each row reads the context and its own ancestors, which come before it) hands a plain
+cache a boolean mask; within `tree_masks()` the op takes it beside the causal ranges.
+Quantized caches, other array masks (padding) and everything else keep mlx-lm's path, for
+any number of rows: a row never switches implementation with the number of rows beside it.
 
 An attention layer whose `__call__` is mlx-lm's plain one (CACHED_BODY: Llama, Qwen2,
 Gemma and a dozen more) goes one step further on a plain KVCache with room for the new
@@ -40,6 +42,8 @@ from __future__ import annotations
 import ast
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -79,6 +83,29 @@ def _env_mode() -> tuple[str, str]:
 # A bad value is reported when a model is prepared (patch_model), as one line from the CLI,
 # rather than breaking `import specmlx`.
 _mode, _env_problem = _env_mode()
+
+
+_trees = [0]  # tree passes under way (tree_masks)
+
+
+@contextmanager
+def tree_masks() -> Iterator[None]:
+    """Within the block a boolean array mask on a plain cache is a tree's: no row reads a
+    key past its own position, so the native op takes it with its causal ranges."""
+    _trees[0] += 1
+    try:
+        yield
+    finally:
+        _trees[0] -= 1
+
+
+def _tree_mask(mask: object, lq: int, lk: int) -> mx.array | None:
+    """A tree pass's mask as the op's (Lq, Lk) booleans, or None where `mask` is not one."""
+    if not (_trees[0] and isinstance(mask, mx.array) and mask.dtype == mx.bool_ and lq <= lk):
+        return None
+    if mask.ndim < 2 or mask.shape[-2:] != (lq, lk) or any(n != 1 for n in mask.shape[:-2]):
+        return None
+    return mask.reshape(lq, lk)
 
 
 def available() -> bool:
@@ -173,9 +200,13 @@ def _native_call(
             return None
         call.update(causal=True, window=window[0], key_start=window[1], rotation=window[2])
         return call
-    if not (mask is None or (isinstance(mask, str) and mask == "causal" and lq <= lk)):
+    if mask is None or (isinstance(mask, str) and mask == "causal" and lq <= lk):
+        call["causal"] = mask is not None
+        return call
+    tree = _tree_mask(mask, lq, lk)
+    if tree is None:
         return None
-    call["causal"] = mask is not None
+    call.update(causal=True, mask=tree)
     return call
 
 

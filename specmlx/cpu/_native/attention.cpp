@@ -63,6 +63,13 @@ struct Call {
   int window;  // 0: none
   int64_t key_start;  // the position of the oldest key, in slot `rotation`
   int rotation;
+  // (Lq, Lk), optional: row i reads the key in slot j only where mask[i * Lk + j], within
+  // its range (a tree's rows: the context and their own ancestors).
+  const bool* mask = nullptr;
+
+  bool masked(int i, int64_t p) const {
+    return mask != nullptr && !mask[int64_t(i) * Lk + slot(p)];
+  }
 
   // The positions query row i (0 <= i < Lq) reads: [first, last].
   std::pair<int64_t, int64_t> range(int i) const {
@@ -415,7 +422,7 @@ void attend(const Kernels& kern, const Call& c, int tile, int r0, int r1) {
       const auto [lo, hi] = c.range(r % c.Lq);
       float* sr = s + size_t(r - r0) * lds + (j0 - first);
       for (int j = 0; j < kBlock; ++j) {
-        if (j0 + j < lo || j0 + j > hi) {
+        if (j0 + j < lo || j0 + j > hi || c.masked(r % c.Lq, j0 + j)) {
           sr[j] = -INFINITY;
         }
       }
@@ -490,9 +497,12 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   encoder.set_input_array(q);
   encoder.set_input_array(k);
   encoder.set_input_array(v);
-  const bool has_sinks = inputs.size() > 3;
+  const bool has_sinks = inputs.size() > (has_mask_ ? 4 : 3);
   if (has_sinks) {
     encoder.set_input_array(inputs[3]);
+  }
+  if (has_mask_) {
+    encoder.set_input_array(inputs.back());
   }
   encoder.set_output_array(out);
   if (out.size() == 0) {
@@ -520,7 +530,8 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
       causal_,
       window_,
       key_start_,
-      rotation_};
+      rotation_,
+      has_mask_ ? inputs.back().data<bool>() : nullptr};
   // q is gathered row-contiguous if it is not; k and v are read in place through their
   // strides unless their D axis is not contiguous. MLX keeps the buffers alive until the
   // stream has run this task.
@@ -549,7 +560,7 @@ void Attention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 bool Attention::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const Attention&>(other);
   return scale_ == o.scale_ && causal_ == o.causal_ && window_ == o.window_ && key_start_ == o.key_start_ &&
-      rotation_ == o.rotation_;
+      rotation_ == o.rotation_ && has_mask_ == o.has_mask_;
 }
 
 mx::array scaled_dot_product_attention(
@@ -562,6 +573,7 @@ mx::array scaled_dot_product_attention(
     int window,
     int64_t key_start,
     int rotation,
+    const std::optional<mx::array>& mask,
     mx::StreamOrDevice s) {
   const auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu) {
@@ -594,10 +606,17 @@ mx::array scaled_dot_product_attention(
     }
     inputs.push_back(mx::contiguous(*sinks, false, stream));
   }
+  if (mask) {
+    if (mask->dtype() != mx::bool_ || mask->ndim() != 2 || mask->shape(0) != q.shape(2) ||
+        mask->shape(1) != k.shape(2)) {
+      throw std::invalid_argument("[specmlx] attention takes a bool mask of shape (Lq, Lk)");
+    }
+    inputs.push_back(mx::contiguous(*mask, false, stream));
+  }
   return mx::array(
       q.shape(),
       mx::float32,
-      std::make_shared<Attention>(stream, scale, causal, window, key_start, rotation),
+      std::make_shared<Attention>(stream, scale, causal, window, key_start, rotation, mask.has_value()),
       std::move(inputs));
 }
 

@@ -25,7 +25,10 @@ constexpr int kMaxHeadDim = 512;
 // softmax's denominator only. k and v may be strided views (a KV cache's
 // `[..., :offset, :]`): read in place. Each query row's result depends on that row, its
 // positions, keys and values alone, bit for bit: not on Lq, the rows beside it, the slots
-// its keys sit in or the thread count. Returns (B, Hq, Lq, D). CPU streams only.
+// its keys sit in or the thread count. mask (Lq, Lk) bool, optional: row i also leaves
+// out the key in slot j wherever mask[i, j] is false (a tree's rows, each reading the
+// context and its own ancestors; with causal, no row reads past its own position).
+// Returns (B, Hq, Lq, D). CPU streams only.
 mx::array scaled_dot_product_attention(
     const mx::array& q,
     const mx::array& k,
@@ -36,17 +39,19 @@ mx::array scaled_dot_product_attention(
     int window = 0,
     int64_t key_start = 0,
     int rotation = 0,
+    const std::optional<mx::array>& mask = std::nullopt,
     mx::StreamOrDevice s = {});
 
 class Attention : public mx::UnaryPrimitive {
  public:
-  Attention(mx::Stream stream, float scale, bool causal, int window, int64_t key_start, int rotation)
+  Attention(mx::Stream stream, float scale, bool causal, int window, int64_t key_start, int rotation, bool has_mask)
       : mx::UnaryPrimitive(stream),
         scale_(scale),
         causal_(causal),
         window_(window),
         key_start_(key_start),
-        rotation_(rotation) {}
+        rotation_(rotation),
+        has_mask_(has_mask) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
@@ -65,6 +70,7 @@ class Attention : public mx::UnaryPrimitive {
   int window_;
   int64_t key_start_;
   int rotation_;
+  bool has_mask_;  // the last input
 };
 
 // One attention layer's step on a plain KV cache (mlx-lm's KVCache, with room for L more

@@ -145,8 +145,10 @@ NB_MODULE(_ext, m) {
          const std::optional<specmlx::mx::array>& sinks,
          int window,
          int64_t key_start,
-         int rotation) {
-        return specmlx::scaled_dot_product_attention(q, k, v, scale, causal, sinks, window, key_start, rotation);
+         int rotation,
+         const std::optional<specmlx::mx::array>& mask) {
+        return specmlx::scaled_dot_product_attention(
+            q, k, v, scale, causal, sinks, window, key_start, rotation, mask);
       },
       "q"_a,
       "k"_a,
@@ -157,11 +159,13 @@ NB_MODULE(_ext, m) {
       "window"_a = 0,
       "key_start"_a = 0,
       "rotation"_a = 0,
+      "mask"_a = nb::none(),
       "softmax(q @ k.T * scale (+ causal mask)) @ v for float32 (B, H, L, D), GQA, on the "
       "default CPU stream; each query row's bits independent of the rows beside it. Key slot "
       "j holds position key_start + (j - rotation) mod Lk, the queries the newest ones; "
       "window > 0 limits a causal row to the last `window` positions; sinks (Hq,) join "
-      "the softmax's denominator.");
+      "the softmax's denominator; mask (Lq, Lk) bool leaves out key slot j of row i where "
+      "it is false.");
   m.def(
       "decoder_layer",
       [](const specmlx::mx::array& x,
