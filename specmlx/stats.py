@@ -46,6 +46,9 @@ class Stats:
     # Rounds that drafted at each position (a tree: a node at that depth), and that kept it
     accepted_by_position: list[int] = field(default_factory=list)
     drafted_by_position: list[int] = field(default_factory=list)
+    # Served in a batch (specmlx.batch.Seat.report): its passes by how many sequences they
+    # held, the rounds whose γ the batch lowered, and that batched rounds verify chains
+    batch: dict = field(default_factory=dict)
 
     @property
     def acceptance(self) -> float:

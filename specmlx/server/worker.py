@@ -1,31 +1,39 @@
-"""The queue in front of the model pair: one decode at a time, first come first served.
+"""The queue in front of the model pair: requests decode together, first come first seated.
 
-A single thread makes every model call, so the models and the Session pool are never
-touched concurrently and the event loop stays free for other requests (and /health)
-while a reply decodes. A request submits a Job and awaits its text; a Job whose client
-has gone is cancelled, and the thread stops it before the next round (or the next
-prefill chunk), so the Session's caches hold only what was emitted.
+One thread drives every model call, so the models and the Session pool are never touched
+concurrently and the event loop stays free for other requests (and /health) while replies
+decode. Up to batch.MAX_BATCH requests decode at once, each on its own Session, joining
+and leaving between rounds: each round runs ONE target pass over every active request
+(specmlx.batch), and a newcomer's prompt is taken a chunk a round beside the others'
+decode. A lone request runs exactly the engine's own path. A request submits a Job and
+awaits its text; a Job whose client has gone is cancelled, and its decode stops before its
+next round (or its next prefill chunk), so its Session's caches hold only what was emitted.
 
 Where the target is split over ranks (specmlx.distributed), only rank 0 serves HTTP; the
 others `follow`: a `Mirror` sends each Job that rank 0 decodes to them, and rank 0's
 choices in it (the Session taken and those dropped, and whether to go on after each
 prefill chunk and each token: a client that leaves, a stop string), so that every rank
-runs the same passes and stops at the same token.
+runs the same passes and stops at the same token. Batching across ranks is not built:
+there the server decodes one request at a time, as it says in one log line at start.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from ..batch import Batch, Seat
 from ..engine import Stats, Step, generate
 from ..stops import StopText
 from .pool import SessionPool
+
+log = logging.getLogger("specmlx.server")
 
 
 @dataclass
@@ -176,6 +184,13 @@ class Worker:
         return self._jobs.qsize()
 
     def _serve(self) -> None:
+        if self.mirror.world is None:
+            self._serve_batched()
+            return
+        log.info(
+            "serving on %d ranks: one request at a time (batching across ranks is not built)",
+            self.mirror.world.size(),
+        )
         while (job := self._jobs.get()) is not None:
             if job.cancelled.is_set():  # its client left while it waited
                 continue
@@ -191,17 +206,55 @@ class Worker:
             job.emit("done", done)
         self.mirror.job(None)  # the other ranks stop following
 
+    def _serve_batched(self) -> None:
+        """Seat waiting Jobs while there is room, then run a round; after stop(), finish
+        the replies in progress."""
+        batch, stopping = Batch(self.pool.target, self.waiting), False
+        while not (stopping and not batch.seats):
+            while not stopping and batch.has_room():
+                try:
+                    job = self._jobs.get(block=not batch.seats)
+                except queue.Empty:
+                    break
+                if job is None:
+                    stopping = True
+                elif not job.cancelled.is_set():  # else its client left while it waited
+                    batch.add(self._seated(job))
+            for seat in batch.round() if batch.seats else []:
+                if seat.error is not None:  # the decode's own errors go to its client
+                    log.error("a decode ended in error", exc_info=seat.error)
 
-def decode(job: Job | Replayed, pool: SessionPool, mirror: Mirror | None = None) -> Finished:
-    """Run one Job on the Session that holds the longest prefix of its prompt."""
+    def _seated(self, job: Job):
+        def work(seat: Seat) -> None:
+            try:
+                done = decode(job, self.pool, self.mirror, seat)
+            except Gone:  # its client left during the prefill: nobody to tell
+                return
+            except Exception as e:  # the request's error, never the thread's end
+                job.emit("error", e)
+                return
+            self.decoded_tokens += done.stats.tokens
+            job.emit("done", done)
+
+        return work
+
+
+def decode(
+    job: Job | Replayed, pool: SessionPool, mirror: Mirror | None = None, seat: Seat | None = None
+) -> Finished:
+    """Run one Job on the Session that holds the longest prefix of its prompt; `seat`: its
+    place in a batch, whose rounds share one target pass (None: alone)."""
     started, first = time.perf_counter(), None
     mirror = mirror or Mirror()
 
     def prefilled(done: int, total: int) -> None:
         if mirror.flag(job.cancelled.is_set()):
             raise Gone  # generate() leaves the caches for the next call to prefill anew
+        if seat is not None:
+            seat.prefilled(done, total)  # a chunk a round, beside the others' decode
 
     session = pool.take(job.ids, mirror)
+    session.target.batch = seat
     try:
         gen = generate(
             session.model,
@@ -228,6 +281,8 @@ def decode(job: Job | Replayed, pool: SessionPool, mirror: Mirror | None = None)
                 send(text)
                 if mirror.flag(cut or job.cancelled.is_set()):
                     break
+                if seat is not None:
+                    seat.between_tokens()
             else:
                 # The detokenizer's held-back bytes, flushed once the last token is known.
                 text, cut = stop.add(gen.text[shown:])
@@ -235,8 +290,11 @@ def decode(job: Job | Replayed, pool: SessionPool, mirror: Mirror | None = None)
         finally:
             gen.close()  # a Generation stopped early trims the caches to what was emitted
     finally:
+        session.target.batch = None
         pool.give_back(session, mirror)
     stats = gen.stats
+    if seat is not None:
+        stats.batch = seat.report()
     reason = "stop" if cut or stats.finish_reason == "eos" else "length"
     ttft = (first or time.perf_counter()) - job.arrived
     return Finished(
