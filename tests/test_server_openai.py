@@ -318,19 +318,17 @@ def test_lowercase_bearer_is_accepted(models):
 @pytest.mark.parametrize(
     "path, field, value",
     [
-        (CHAT, "response_format", {"type": "json_object"}),
-        (CHAT, "response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
-        (CHAT, "logprobs", True),
-        (CHAT, "top_logprobs", 2),
-        (CHAT, "tool_choice", "required"),
+        (CHAT, "top_logprobs", 2),  # without logprobs true
+        (CHAT, "tool_choice", "required"),  # without tools
         (CHAT, "tool_choice", {"type": "function", "function": {"name": "get_weather"}}),
+        (CHAT, "response_format", {"type": "xml"}),
+        (TEXT, "logprobs", 6),
         (CHAT, "prediction", {"type": "content", "content": "x"}),
         (CHAT, "store", True),
         (CHAT, "modalities", ["text", "audio"]),
         (CHAT, "functions", [{"name": "f"}]),
         (CHAT, "min_p", 0.1),
         (CHAT, "echo", True),
-        (TEXT, "logprobs", 0),
         (TEXT, "echo", True),
         (TEXT, "best_of", 2),
         (TEXT, "suffix", "}"),

@@ -26,13 +26,16 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .. import constrained
+from ..engine import Step
 from ..errors import SpecmlxError
 from ..loading import Model
 from .errors import HANDLERS, APIError, error_body
 from .fields import Asked, Defaults, parse, read_json
 from .pool import SessionPool
 from .prompts import ChatPrompts, Transcripts, check_context, completion_ids
-from .tools import ToolFormat, ToolFormats, ToolReply
+from .tokens import TokenText, chat_logprobs, kept, sources, text_logprobs
+from .tools import ToolFormat, ToolFormats, ToolReply, forced_call_grammar
 from .worker import Finished, Job, Mirror, Worker
 
 log = logging.getLogger("specmlx.server")
@@ -53,6 +56,7 @@ class Prepared:
     room: int  # tokens the context leaves for the reply
     text: str  # chat: the rendered prompt, as Transcripts remembers it
     tools: ToolFormat | None  # chat with tools: the model's call syntax
+    grammar: str | None = None  # what the reply must follow (constrained.py); None: free
 
 
 def make_app(
@@ -87,6 +91,7 @@ def make_app(
     chats = ChatPrompts(target)
     formats = ToolFormats(target)
     names = {model_id, target.name, str(target.path)}
+    token_text = TokenText(target.tokenizer.decode)
     created = int(time.time())
     preparing = anyio.CapacityLimiter(PREPARING)
 
@@ -156,9 +161,11 @@ def make_app(
                     "have no end marker to stop at",
                     param="parallel_tool_calls",
                 )
+        grammar = reply_grammar(target, asked, form)
         text = chats.render(asked.messages, asked.tools)
         ids = transcripts.encode(text, chats.encode)
-        return Prepared(asked, ids, check_context(target, ids, "messages"), text, form)
+        room = check_context(target, ids, "messages")
+        return Prepared(asked, ids, room, text, form, grammar)
 
     def prepare_completion(raw: bytes, request: Request) -> Prepared:
         asked = parse(read_json(raw), False, defaults)
@@ -176,7 +183,7 @@ def make_app(
         stops = asked.stops
         if ready.tools is not None and not asked.parallel_tool_calls:
             stops = [*stops, ready.tools.end]  # the reply ends with its first call
-        settings = asked.settings(min(asked.max_tokens, ready.room), seed)
+        settings = asked.settings(min(asked.max_tokens, ready.room), seed, ready.grammar)
         return worker.submit(ready.ids, settings, stops, arrived)
 
     async def chat_completions(request: Request):
@@ -208,7 +215,7 @@ def make_app(
         request: Request, job: Job, ready: Prepared, kind: str, parts: ToolReply, remember
     ):
         asked = ready.asked
-        reply = Reply(kind, asked.model, len(ready.ids))
+        reply = Reply(kind, asked.model, len(ready.ids), asked.logprobs, token_text)
         if asked.stream:
             events = stream(job, reply, parts, asked.include_usage, remember, request)
             return StreamingResponse(events, media_type="text/event-stream")
@@ -222,7 +229,8 @@ def make_app(
         request.state.done = done
         content, calls = parts.add(done.text)
         rest, more = parts.finish()
-        body = reply.whole(done, content + rest, calls + more, finish_reason(done, parts))
+        steps = kept(job.steps, len(done.text)) if done.cut else job.steps
+        body = reply.whole(done, content + rest, calls + more, finish_reason(done, parts), steps)
         return JSONResponse(body)
 
     async def models(request: Request):
@@ -272,6 +280,34 @@ def make_app(
     return app
 
 
+def reply_grammar(target: Model, asked: Asked, form: ToolFormat | None) -> str | None:
+    """What a chat reply must follow (constrained.py): calls of the forced tools, or JSON
+    of the response_format's schema; None where it is free. A 400 naming the field where
+    it cannot be made."""
+    if asked.forced_tools:
+        if asked.json_schema is not None:
+            raise APIError(
+                400,
+                "response_format cannot constrain a reply that tool_choice forces to be a "
+                "call: send one of them",
+                param="response_format",
+            )
+        chosen = [t["function"] for t in asked.tools if t["function"]["name"] in asked.forced_tools]
+        grammar, field = (
+            forced_call_grammar(target, form, chosen, asked.parallel_tool_calls),
+            "tool_choice",
+        )
+    elif asked.json_schema is not None:
+        grammar, field = constrained.json_grammar(asked.json_schema), "response_format"
+    else:
+        return None
+    try:
+        constrained.check(target, grammar)
+    except SpecmlxError as e:
+        raise APIError(400, f"{field}: {e}", param=field) from None
+    return grammar
+
+
 async def result_unless_gone(job: Job, request: Request) -> Finished | None:
     """The Job's result; None if its client goes first: the Job is then cancelled, and
     the worker stops it before its next round. (A streamed reply learns the same from
@@ -306,17 +342,20 @@ async def stream(
     it has closed), a last chunk with the finish reason (and the run's statistics), usage
     if asked, then [DONE]. A client that goes away cancels this generator, which cancels
     the Job."""
+    taken = 0  # job.steps already sent: each chunk carries the Steps that arrived before it
     try:
         if reply.chat:
             yield sse(reply.first_chunk())
         async for text in job.texts():
             content, calls = parts.add(text)
             if content or calls:
-                yield sse(reply.chunk(content, calls))
+                yield sse(reply.chunk(content, calls, steps=job.steps[taken:]))
+                taken = len(job.steps)
         done = job.finished
         content, calls = parts.finish()
-        if content or calls:
-            yield sse(reply.chunk(content, calls))
+        rest = (kept(job.steps, len(done.text)) if done.cut else job.steps)[taken:]
+        if content or calls or rest:
+            yield sse(reply.chunk(content, calls, steps=rest))
         remember(done)
         request.state.done = done
         yield sse(reply.last_chunk(done, finish_reason(done, parts)))
@@ -342,11 +381,22 @@ def finish_reason(done: Finished, parts: ToolReply) -> str:
 
 
 class Reply:
-    """The response's shape, chat or text completion, whole or as stream chunks."""
+    """The response's shape, chat or text completion, whole or as stream chunks; with
+    `logprobs` (k, or None for none) each choice has its tokens' log-probabilities, and a
+    stream's chunks each carry specmlx's record of their tokens (tokens.sources)."""
 
-    def __init__(self, kind: str, model: str, prompt_tokens: int):
+    def __init__(
+        self,
+        kind: str,
+        model: str,
+        prompt_tokens: int,
+        logprobs: int | None = None,
+        token_text: TokenText | None = None,
+    ):
         self.chat = kind == "chat.completion"
         self.kind, self.model, self.prompt_tokens = kind, model, prompt_tokens
+        self.logprobs, self.token_text = logprobs, token_text
+        self.offset = 0  # characters of a text completion's steps already shown
         self.chunk_kind = "chat.completion.chunk" if self.chat else kind
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -360,10 +410,28 @@ class Reply:
             "choices": choices,
         }
 
-    def _choice(self, key: str, content: dict | str, finish: str | None = None) -> dict:
-        return {"index": 0, key: content, "logprobs": None, "finish_reason": finish}
+    def _choice(
+        self, key: str, content: dict | str, finish: str | None = None, steps: list[Step] = ()
+    ) -> dict:
+        return {
+            "index": 0,
+            key: content,
+            "logprobs": self._logprobs(steps),
+            "finish_reason": finish,
+        }
 
-    def whole(self, done: Finished, content: str, calls: list[dict], finish: str) -> dict:
+    def _logprobs(self, steps: list[Step]) -> dict | None:
+        if self.logprobs is None or not steps:
+            return None
+        if self.chat:
+            return chat_logprobs(steps, self.token_text)
+        shown = text_logprobs(steps, self.token_text, self.offset)
+        self.offset += sum(len(s.text) for s in steps)
+        return shown
+
+    def whole(
+        self, done: Finished, content: str, calls: list[dict], finish: str, steps: list[Step]
+    ) -> dict:
         if self.chat:
             message: dict = {"role": "assistant", "content": content}
             if calls:
@@ -373,9 +441,11 @@ class Reply:
                 message["tool_calls"] = [
                     {k: v for k, v in c.items() if k != "index"} for c in calls
                 ]
-            choice = self._choice("message", message, finish)
+            choice = self._choice("message", message, finish, steps)
         else:
-            choice = self._choice("text", content, finish)
+            choice = self._choice("text", content, finish, steps)
+        if self.logprobs is not None and choice["logprobs"] is None:  # a reply of no tokens
+            choice["logprobs"] = self._empty_logprobs()
         body = self._body(self.kind, [choice])
         body.update(usage=self.usage(done), specmlx=run_stats(done))
         return body
@@ -385,15 +455,29 @@ class Reply:
         delta = {"role": "assistant", "content": ""}
         return self._body(self.chunk_kind, [self._choice("delta", delta)])
 
-    def chunk(self, text: str, calls: list[dict] | None = None, finish: str | None = None) -> dict:
+    def _empty_logprobs(self) -> dict:
+        if self.chat:
+            return {"content": [], "refusal": None}
+        return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+    def chunk(
+        self,
+        text: str,
+        calls: list[dict] | None = None,
+        finish: str | None = None,
+        steps: list[Step] = (),
+    ) -> dict:
         if self.chat:
             delta: dict = {"content": text} if text else {}
             if calls:
                 delta["tool_calls"] = calls
-            choice = self._choice("delta", delta, finish)
+            choice = self._choice("delta", delta, finish, steps)
         else:
-            choice = self._choice("text", text, finish)
-        return self._body(self.chunk_kind, [choice])
+            choice = self._choice("text", text, finish, steps)
+        body = self._body(self.chunk_kind, [choice])
+        if steps:
+            body["specmlx"] = {"tokens": sources(steps)}
+        return body
 
     def last_chunk(self, done: Finished, finish: str) -> dict:
         body = self.chunk("", finish=finish)

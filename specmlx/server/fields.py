@@ -3,7 +3,7 @@
 Every field of OpenAI's chat and completions request bodies is named here, and none is
 silently dropped: each is implemented (and refused with a 400 naming it when it is of
 the wrong type or out of range), or accepted only at the value that asks for nothing
-(the *_UNSUPPORTED tables: a penalty of 0, logprobs false...) and refused at any other, or, for
+(the *_UNSUPPORTED tables: store false, best_of 1...) and refused at any other, or, for
 the few that ask nothing of the reply (user, metadata, prompt_cache_key...), checked
 and accepted. A field OpenAI does not define, nor specmlx (top_k, num_draft, tree,
 draft_mode, sampling), is refused as unknown.
@@ -64,9 +64,17 @@ class Asked:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     tree: int | str = "auto"  # specmlx's: trees of drafts (settings.parse_tree)
+    logprobs: int | None = None  # k top log-probabilities per token; None: no logprobs
+    # response_format json_object or json_schema: the schema the reply must follow (a
+    # json_object's is {"type": "object"}); None: free text
+    json_schema: dict | None = None
+    # tool_choice "required" or a named function: the names of the functions the reply
+    # must call (one of them, or with parallel_tool_calls several); None: not forced
+    forced_tools: list[str] | None = None
 
-    def settings(self, max_tokens: int, seed: int) -> dict:
-        """generate()'s keyword arguments (max_tokens as the context leaves room for)."""
+    def settings(self, max_tokens: int, seed: int, grammar: str | None = None) -> dict:
+        """generate()'s keyword arguments (max_tokens as the context leaves room for;
+        grammar: the constraint made of json_schema or forced_tools, constrained.py)."""
         return {
             "max_tokens": max_tokens,
             "temperature": self.temperature,
@@ -80,6 +88,8 @@ class Asked:
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "tree": self.tree,
+            "logprobs": self.logprobs,
+            "grammar": grammar,
         }
 
 
@@ -91,21 +101,10 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-# Constrained decoding needs a token mask in the sampler, which the engine does not have
-# yet; each token's log-probabilities the engine gives (generate(logprobs=k)), but the
-# replies do not carry them yet: until they do, these say so.
-NEEDS_MASK = "needs constrained decoding, which this server does not have yet"
-NEEDS_P = "is not served yet (specmlx.generate(logprobs=k) gives them)"
 # Each is accepted at its neutral value (or left out, or null) and refused at any other:
 # field: (whether a value is neutral, why any other is refused).
 Neutral = dict[str, tuple[Callable[[object], bool], str]]
 CHAT_UNSUPPORTED: Neutral = {
-    "response_format": (
-        lambda v: v == {"type": "text"},
-        f"other than {{'type': 'text'}} (json_object, json_schema) {NEEDS_MASK}",
-    ),
-    "logprobs": (lambda v: v is False, f"true {NEEDS_P}"),
-    "top_logprobs": (lambda v: _is_int(v) and v == 0, f"other than 0 {NEEDS_P}"),
     "store": (lambda v: v is False, "true is not supported: completions are not stored"),
     "service_tier": (lambda v: v in ("auto", "default"), "has one tier here: 'auto' or 'default'"),
     "modalities": (lambda v: v == ["text"], "other than ['text'] is not supported"),
@@ -118,8 +117,6 @@ CHAT_UNSUPPORTED: Neutral = {
     "function_call": (lambda v: False, "(deprecated by OpenAI) is not supported: send tool_choice"),
 }
 TEXT_UNSUPPORTED: Neutral = {
-    # an integer here, and 0 still asks for the chosen tokens' logprobs
-    "logprobs": (lambda v: False, NEEDS_P),
     "best_of": (lambda v: v == 1, "other than 1 is not supported (one candidate per request)"),
     "echo": (lambda v: v is False, "true is not supported"),
     "suffix": (lambda v: v == "", "is not supported (no insertion): leave it out"),
@@ -137,8 +134,9 @@ TEXT_INFORMATIONAL = {"user": (str, "a string")}
 # Fields read in parse(), besides the tables above: OpenAI's own and specmlx's.
 READ = {"model", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed"}
 READ |= {"stop", "stream", "stream_options", "top_k", "num_draft", "draft_mode", "sampling"}
-READ |= {"logit_bias", "presence_penalty", "frequency_penalty", "tree"}
+READ |= {"logit_bias", "presence_penalty", "frequency_penalty", "tree", "logprobs"}
 CHAT_FIELDS = READ | {"messages", "tools", "tool_choice", "parallel_tool_calls"}
+CHAT_FIELDS |= {"top_logprobs", "response_format"}
 CHAT_FIELDS |= set(CHAT_UNSUPPORTED) | set(CHAT_INFORMATIONAL)
 TEXT_FIELDS = READ | {"prompt"} | set(TEXT_UNSUPPORTED) | set(TEXT_INFORMATIONAL)
 # A message's keys: those passed to the chat template, and those refused unless null.
@@ -213,14 +211,22 @@ def parse(body: dict, chat: bool, defaults: Defaults) -> Asked:
     model = _get(body, "model", str, "a string")
     if model is None:
         raise APIError(400, "model is required (GET /v1/models lists it)", param="model")
-    messages = prompt = tools = None
+    messages = prompt = tools = forced = schema = None
     parallel = True
     if chat:
         messages = _messages(body.get("messages"))
         tools = _tools(body.get("tools"), body.get("tool_choice"))
+        forced = _forced(tools, body.get("tool_choice"))
         parallel = _get(body, "parallel_tool_calls", bool, "true or false", True)
+        logprobs = _chat_logprobs(body)
+        schema = _response_format(body.get("response_format"))
     else:
         prompt = _prompt(body.get("prompt"))
+        logprobs = _get(body, "logprobs", int, "an integer")
+        if logprobs is not None and not 0 <= logprobs <= MAX_TEXT_LOGPROBS:
+            raise APIError(
+                400, f"logprobs must be from 0 to {MAX_TEXT_LOGPROBS}, got {logprobs}", "logprobs"
+            )
     n = _get(body, "n", int, "an integer", 1)
     if n != 1:
         raise APIError(400, f"n must be 1 (one choice per request), got {n}", param="n")
@@ -274,6 +280,9 @@ def parse(body: dict, chat: bool, defaults: Defaults) -> Asked:
         presence_penalty=float(presence),
         frequency_penalty=float(frequency),
         tree=tree,
+        logprobs=logprobs,
+        json_schema=schema,
+        forced_tools=forced,
     )
 
 
@@ -326,18 +335,13 @@ def _stream_options(options: dict) -> bool:
 
 def _tools(tools, choice) -> list[dict] | None:
     """The function tools to render, or None where there are none or tool_choice is
-    "none" (the model is then not shown them, and its reply is never parsed for calls).
-    A choice that forces a call, or limits the tools, needs constrained decoding: it is
-    refused until there is one."""
-    if choice not in (None, "auto", "none"):
-        if choice == "required" or isinstance(choice, dict):
-            raise APIError(
-                400,
-                f"tool_choice {_short(choice)} {NEEDS_MASK} (it forces a call or limits the "
-                "tools): send 'auto' or 'none'",
-                param="tool_choice",
-            )
-        raise APIError(400, "tool_choice must be 'none', 'auto' or 'required'", "tool_choice")
+    "none" (the model is then not shown them, and its reply is never parsed for calls)."""
+    if choice not in (None, "auto", "none", "required") and not isinstance(choice, dict):
+        raise APIError(
+            400,
+            "tool_choice must be 'none', 'auto', 'required' or a named function",
+            "tool_choice",
+        )
     if tools is None:
         return None
     if not isinstance(tools, list):
@@ -363,7 +367,88 @@ def _tool(tool, where: str) -> None:
     _get(function, "description", str, "a string", where=at)
     _get(function, "parameters", dict, "an object", where=at)
     if _get(function, "strict", bool, "true or false", False, at):
-        raise APIError(400, f"{at}strict true {NEEDS_MASK}: send false", param=at + "strict")
+        raise APIError(
+            400,
+            f"{at}strict true is not supported: a reply that may be text cannot have its "
+            "calls constrained here; send false, or tool_choice 'required' or a named "
+            "function (whose calls always follow the parameters' schema)",
+            param=at + "strict",
+        )
+
+
+def _forced(tools: list[dict] | None, choice) -> list[str] | None:
+    """The functions a reply must call, for tool_choice "required" (any of the tools) or
+    a named function (that one); None where the reply may be text."""
+    if choice != "required" and not isinstance(choice, dict):
+        return None
+    if not tools:
+        raise APIError(400, f"tool_choice {_short(choice)} needs tools to call", "tool_choice")
+    names = [t["function"]["name"] for t in tools]
+    if choice == "required":
+        return names
+    function = choice.get("function")
+    if choice.get("type") != "function" or not isinstance(function, dict):
+        raise APIError(
+            400,
+            "tool_choice must name a function as {'type': 'function', 'function': {'name': ...}}",
+            "tool_choice",
+        )
+    name = function.get("name")
+    if name not in names:
+        param = "tool_choice.function.name"
+        raise APIError(400, f"{param} {_short(name)} is none of the tools' names", param=param)
+    return [name]
+
+
+# OpenAI's bounds: up to 20 top log-probabilities a chat token, 5 a completion's.
+MAX_CHAT_LOGPROBS, MAX_TEXT_LOGPROBS = 20, 5
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """How many top log-probabilities each token of the reply shows; None: no logprobs."""
+    wanted = _get(body, "logprobs", bool, "true or false", False)
+    top = _get(body, "top_logprobs", int, "an integer")
+    if top is not None and not 0 <= top <= MAX_CHAT_LOGPROBS:
+        raise APIError(
+            400, f"top_logprobs must be from 0 to {MAX_CHAT_LOGPROBS}, got {top}", "top_logprobs"
+        )
+    if top and not wanted:
+        raise APIError(400, "top_logprobs needs logprobs true", param="top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _response_format(value) -> dict | None:
+    """The JSON schema the reply must follow (json_object: any JSON object); None: text."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text" and len(value) == 1:
+        return None
+    if kind == "json_object" and len(value) == 1:
+        return {"type": "object"}
+    if kind != "json_schema":
+        raise APIError(
+            400,
+            "response_format must be {'type': 'text'}, {'type': 'json_object'} or "
+            f"{{'type': 'json_schema', 'json_schema': {{...}}}}, got {_short(value)}",
+            param="response_format",
+        )
+    where = "response_format."
+    for key in value:
+        if key not in ("type", "json_schema"):
+            raise APIError(400, f"unknown field '{where}{key}'", param=where + key)
+    spec = _get(value, "json_schema", dict, "an object", where=where)
+    if spec is None:
+        raise APIError(400, f"{where}json_schema is required", param=f"{where}json_schema")
+    at = f"{where}json_schema."
+    for key in spec:
+        if key not in ("name", "description", "schema", "strict"):
+            raise APIError(400, f"unknown field '{at}{key}'", param=at + key)
+    if _get(spec, "name", str, "a string", where=at) is None:
+        raise APIError(400, f"{at}name is required", param=f"{at}name")
+    _get(spec, "description", str, "a string", where=at)
+    _get(spec, "strict", bool, "true or false", where=at)  # followed either way
+    return _get(spec, "schema", dict, "an object", {"type": "object"}, where=at)
 
 
 def _messages(messages) -> list[dict]:

@@ -17,7 +17,9 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .. import constrained
 from ..loading import Model
+from .errors import APIError
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,23 @@ def tool_format(target: Model) -> ToolFormat | None:
         return None
     module = importlib.import_module(f"mlx_lm.tool_parsers.{name}")
     return ToolFormat(module.parse_tool_call, module.tool_call_start, module.tool_call_end)
+
+
+def forced_call_grammar(
+    target: Model, form: ToolFormat, functions: list[dict], several: bool
+) -> str:
+    """The grammar of a reply that is only calls of `functions` (OpenAI's function
+    objects) in the model's own format, arguments following each one's parameters: for
+    tool_choice "required" or a named function. Built for formats whose calls are JSON
+    between markers (mlx-lm's json_tools: Hermes, Qwen2.5); others are refused by name."""
+    if form.parse.__module__.rsplit(".", 1)[-1] != "json_tools":
+        raise APIError(
+            400,
+            f"tool_choice cannot force a call for {target.name}: its tool-call format "
+            f"({form.parse.__module__}) is not JSON between markers; send 'auto'",
+            param="tool_choice",
+        )
+    return constrained.tool_call_grammar(target, functions, form.start, form.end, several)
 
 
 class CallSplitter:
