@@ -21,15 +21,16 @@ batch in one left-padded buffer with one write position, where each row must rol
 by its own rejected drafts, and its masked attention over the padding is another
 computation than the row's own.
 
-Batch invariance. The rows' linear layers run as one (B · widest)-row product. On the
-CPU, specmlx's native INT4/INT8 kernel and its norms give each row the same bits
-whatever rows run beside it, so a greedy reply equals the same request alone. MLX's
-Metal and CUDA matmuls (and its float32 CPU product on a BLAS) choose kernels and
-reduction orders by shape and are not batch-invariant in general: a row's logits may
-differ from its alone pass in the last bits, so where two tokens are within rounding of
-each other a greedy reply can take the other one there (every reply is still the target's
-own greedy decoding up to float rounding, and a sampled one still follows the target's
-distribution). Per-position RoPE offsets run MLX's RoPE (the native one takes one offset).
+Batch invariance. The rows' linear layers run as one (B · widest)-row product; RoPE
+and attention run row by row, each row's as alone (`_by_rows`). On the CPU, specmlx's
+native INT4/INT8 kernel, its norms and MLX's float32 product give each row the same bits
+whatever rows run beside it (tests/test_batching.py checks the pass bit for bit), so a
+reply equals the same request alone, greedy or sampled with the same seed. MLX's Metal
+and CUDA matmuls choose kernels and reduction orders by shape and are not batch-invariant
+in general: there a row's logits may differ from its own pass's in the last bits, so
+where two tokens are within rounding of each other a greedy reply can take the other one
+(it is still the target's greedy decoding up to float rounding, and a sampled reply still
+follows the target's distribution).
 
 What is batched: chains and plain rounds. A tree's pass, or a pass that keeps the
 target's features for a head, runs alone in the round, exact but unshared; a sequence
@@ -47,6 +48,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from .caches import PaddedKVCache, layers
@@ -120,7 +122,6 @@ def rows_attention(inner: Callable) -> Callable:
             out.append(o)
         return mx.concatenate(out, axis=0)
 
-    attention.rows_attention = True
     return attention
 
 
@@ -130,22 +131,53 @@ def batchable(cache: list) -> bool:
     return all(type(c) in _ROW_CACHES for c in layers(cache))
 
 
+class _RowsRoPE:
+    """An attention's RoPE run row by row, each at its own offset (an int, as alone), for
+    one batched pass: the native RoPE takes one offset, and MLX's over several offsets
+    computes other bits than the native one a row gets alone."""
+
+    def __init__(self, inner, offsets: list[int]):
+        self.inner, self.offsets = inner, offsets
+
+    def __call__(self, x: mx.array, offset=None) -> mx.array:
+        rows = [self.inner(x[b : b + 1], offset=o) for b, o in enumerate(self.offsets)]
+        return mx.concatenate(rows, axis=0)
+
+
+_OWNERS: dict[int, tuple[list, list]] = {}  # id(model module) -> _owners' answer
+
+
+def _owners(model: Model) -> tuple[list, list]:
+    """(the Python modules that define the model's attention function, its attention
+    modules that own a RoPE): what a batched pass swaps. Walked once per model."""
+    key = id(model.module)
+    if key not in _OWNERS:
+        modules = list(model.module.modules())
+        sources = {sys.modules.get(type(m).__module__) for m in modules}
+        sources = [s for s in sources if hasattr(s, "scaled_dot_product_attention")]
+        ropes = [m for m in modules if isinstance(m.get("rope"), nn.Module)]
+        _OWNERS[key] = (sources, ropes)
+    return _OWNERS[key]
+
+
 @contextmanager
-def _attention_by_rows(model: Model):
-    """The model's modules' attention function wrapped by rows_attention for one pass (the
-    model thread alone runs passes: nothing else sees the swap)."""
-    sources = {sys.modules.get(type(m).__module__) for m in model.module.modules()}
-    swapped = []
-    for source in sources:
-        inner = getattr(source, "scaled_dot_product_attention", None)
-        if inner is not None and not getattr(inner, "rows_attention", False):
-            source.scaled_dot_product_attention = rows_attention(inner)
-            swapped.append((source, inner))
+def _by_rows(model: Model, offsets: list[int]):
+    """The model's attention function and RoPEs run row by row for one pass (the model
+    thread alone runs passes: nothing else sees the swap)."""
+    sources, ropes = _owners(model)
+    attentions = [(s, s.scaled_dot_product_attention) for s in sources]
+    originals = [(m, m.rope) for m in ropes]
+    for source, inner in attentions:
+        source.scaled_dot_product_attention = rows_attention(inner)
+    for module, rope in originals:
+        module.rope = _RowsRoPE(rope, offsets)
     try:
         yield
     finally:
-        for source, inner in swapped:
+        for source, inner in attentions:
             source.scaled_dot_product_attention = inner
+        for module, rope in originals:
+            module.rope = rope
 
 
 def batched_pass(model: Model, rows: list[tuple[list, mx.array]]) -> list[mx.array]:
@@ -154,12 +186,11 @@ def batched_pass(model: Model, rows: list[tuple[list, mx.array]]) -> list[mx.arr
     touched, where the model's mask is not the causal one."""
     lengths = [int(x.shape[0]) for _, x in rows]
     shared = _Pass(lengths)
-    tokens = mx.stack(
-        [mx.pad(x, (0, shared.width - m)) for (_, x), m in zip(rows, lengths, strict=True)]
-    )
+    padded = zip(rows, lengths, strict=True)
+    tokens = mx.stack([mx.pad(x, (0, shared.width - m)) for (_, x), m in padded])
     per_layer = zip(*(layers(cache) for cache, _ in rows), strict=True)
     views = [RowsCache(list(caches), shared) for caches in per_layer]
-    with _attention_by_rows(model):
+    with _by_rows(model, [c.offset for c in views[0].rows]):
         logits = model.module(tokens, cache=views)
     return [logits[b, :m] for b, m in enumerate(lengths)]
 
