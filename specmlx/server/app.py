@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API: chat and text completions (streamed or not), models,
-health. A request's body is read within a size limit on the event loop; parsing it,
+health, and a chat page at `/` (page.html) that shows speculation at work. A request's body is read within a size limit on the event loop; parsing it,
 rendering the chat template and encoding the prompt run on worker threads, so a large
 prompt never holds up other requests (or /health); its decode is queued on the worker,
 and what comes back is shaped as OpenAI does, plus a `specmlx` object of the run's
@@ -17,12 +17,13 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import anyio
 import mlx.core as mx
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -45,6 +46,8 @@ MAX_BODY_BYTES = 4 << 20  # a 100k-token prompt is ~0.4 MB of text
 # share the cores that the decode needs.
 PREPARING = 4
 GONE = 499  # nginx's "client closed request", for the log: nobody receives it
+# The chat page at `/`: one static file that talks to this server's API.
+PAGE = Path(__file__).with_name("page.html")
 
 
 @dataclass(frozen=True)
@@ -246,6 +249,9 @@ def make_app(
     def model_object(name: str) -> dict:
         return {"id": name, "object": "model", "created": created, "owned_by": "specmlx"}
 
+    async def page(request: Request):
+        return HTMLResponse(PAGE.read_text(encoding="utf-8"))
+
     async def health(request: Request):
         pool = worker.pool
         return JSONResponse(
@@ -274,6 +280,7 @@ def make_app(
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/", page, methods=["GET"]),
     ]
     app = Starlette(routes=routes, exception_handlers=HANDLERS, lifespan=lifespan)
     app.add_middleware(LogRequests)
