@@ -195,10 +195,43 @@ def batched_pass(model: Model, rows: list[tuple[list, mx.array]]) -> list[mx.arr
     return [logits[b, :m] for b, m in enumerate(lengths)]
 
 
+class _Runner:
+    """A thread that runs seats' works one after another, for the process's life. MLX
+    gives each thread a stream of its own, with a worker thread behind it that outlives
+    the thread (a thread a request would leak one each), so seats reuse these."""
+
+    _idle: list[_Runner] = []
+    _lock = threading.Lock()
+
+    def __init__(self):
+        self._go = threading.Semaphore(0)
+        self._seat: Seat | None = None
+        threading.Thread(target=self._loop, name="specmlx-seat", daemon=True).start()
+
+    @classmethod
+    def take(cls) -> _Runner:
+        with cls._lock:
+            return cls._idle.pop() if cls._idle else cls()
+
+    def give_back(self) -> None:
+        with self._lock:
+            self._idle.append(self)
+
+    def run(self, seat: Seat) -> None:
+        self._seat = seat
+        self._go.release()
+
+    def _loop(self) -> None:
+        while True:
+            self._go.acquire()
+            seat, self._seat = self._seat, None
+            seat._main(self)
+
+
 class Seat:
-    """One sequence's decode in a batch: `work(seat)` runs on a thread of its own, but only
-    between `Batch.round`'s hand-over and the seat's next stop, so the models are only
-    ever used by one thread at a time."""
+    """One sequence's decode in a batch: `work(seat)` runs on a thread other than the model
+    thread's (a _Runner), but only between `Batch.round`'s hand-over and the seat's next
+    stop, so the models are only ever used by one thread at a time."""
 
     def __init__(self, batch: Batch, work: Callable[[Seat], None]):
         self.batch, self.work = batch, work
@@ -211,7 +244,6 @@ class Seat:
         self.rounds_by_size: dict[int, int] = {}  # its passes by how many rows they held
         self.capped = 0  # rounds whose γ the batch lowered
         self._go, self._back = threading.Semaphore(0), threading.Semaphore(0)
-        self._thread = threading.Thread(target=self._main, name="specmlx-seat", daemon=True)
 
     # -- the model thread's side ----------------------------------------------
 
@@ -219,19 +251,20 @@ class Seat:
         """Let the seat run until it stops: at a pass, a prompt chunk's end, or its end."""
         if self.state == "new":
             self.state = "running"
-            self._thread.start()
+            _Runner.take().run(self)
         else:
             self.state = "running"
             self._go.release()
         self._back.acquire()
 
-    def _main(self) -> None:
+    def _main(self, runner: _Runner) -> None:
         try:
             self.work(self)
         except BaseException as e:  # the work's own errors are its to report
             self.error = e
         finally:
             self.state = "done"
+            runner.give_back()  # before the turn ends: the next seat may take it
             self._back.release()
 
     # -- the seat's side ----------------------------------------------------------

@@ -142,11 +142,12 @@ class BatchPolicy:
 
     def plan(self, remaining: int, context: int = 0) -> Plan:
         plan = self.inner.plan(remaining, context)
-        self.want = self._want(plan)
         self.shared_round = self.seat.shared
-        cap = self.seat.batch.cap(self.seat) if self.shared_round else None
         if not self.shared_round:
+            self.want = None
             return plan
+        self.want = self._want(plan)
+        cap = self.seat.batch.cap(self.seat)
         probe = plan.drafter is not None and plan.drafter is getattr(self.inner, "probe", None)
         gamma = 0 if probe or cap is None else min(plan.gamma, cap)
         if gamma < plan.gamma:
