@@ -41,6 +41,7 @@ whose mask is not the causal one, runs its passes alone too. A batch-aware polic
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -52,12 +53,27 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from .caches import PaddedKVCache, layers
+from .errors import SpecmlxError
 from .loading import Model
 from .policy.batched import BatchCosts, BatchPolicy, Want, choose_gammas
 
 # The most sequences decoding at once; later requests wait for a seat, first come first
 # served. Each holds its own caches (the Session pool's budget bounds what stays idle).
+# SPECMLX_MAX_BATCH sets it (1: one request at a time, as before batching; a benchmark's
+# baseline), read when a Batch is made.
 MAX_BATCH = 8
+ENV = "SPECMLX_MAX_BATCH"
+
+
+def max_batch() -> int:
+    text = os.environ.get(ENV, "").strip()
+    if not text:
+        return MAX_BATCH
+    if not text.isdigit() or int(text) < 1:
+        raise SpecmlxError(f"{ENV} must be a whole number of at least 1, not {text!r}")
+    return int(text)
+
+
 _ROW_CACHES = (KVCache, PaddedKVCache)
 
 
@@ -331,15 +347,16 @@ class Batch:
     def __init__(self, model: Model, waiting: Callable[[], int] = lambda: 0):
         """`waiting`: how many requests wait for a seat (they make a lone seat stop)."""
         self.model, self.waiting = model, waiting
+        self.size = max_batch()  # the most seats
         self.seats: list[Seat] = []
         self.costs = BatchCosts()
         self.gammas: dict[Seat, int] = {}  # this round's γ cap per seat (auto seats)
 
     def newcomers(self) -> bool:
-        return len(self.seats) < MAX_BATCH and self.waiting() > 0
+        return len(self.seats) < self.size and self.waiting() > 0
 
     def has_room(self) -> bool:
-        return len(self.seats) < MAX_BATCH
+        return len(self.seats) < self.size
 
     def add(self, work: Callable[[Seat], None]) -> Seat:
         """A new sequence: `work(seat)` runs its decode from its first turn."""

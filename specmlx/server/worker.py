@@ -2,12 +2,13 @@
 
 One thread drives every model call, so the models and the Session pool are never touched
 concurrently and the event loop stays free for other requests (and /health) while replies
-decode. Up to batch.MAX_BATCH requests decode at once, each on its own Session, joining
-and leaving between rounds: each round runs ONE target pass over every active request
-(specmlx.batch), and a newcomer's prompt is taken a chunk a round beside the others'
-decode. A lone request runs exactly the engine's own path. A request submits a Job and
-awaits its text; a Job whose client has gone is cancelled, and its decode stops before its
-next round (or its next prefill chunk), so its Session's caches hold only what was emitted.
+decode. Up to batch.MAX_BATCH (SPECMLX_MAX_BATCH) requests decode at once, each on its own
+Session, joining and leaving between rounds: each round runs ONE target pass over every
+active request (specmlx.batch), and a newcomer's prompt is taken a chunk a round beside
+the others' decode. A lone request runs exactly the engine's own path. A request submits
+a Job and awaits its text; a Job whose client has gone is cancelled, and its decode stops
+before its next round (or its next prefill chunk), so its Session's caches hold only what
+was emitted.
 
 Where the target is split over ranks (specmlx.distributed), only rank 0 serves HTTP; the
 others `follow`: a `Mirror` sends each Job that rank 0 decodes to them, and rank 0's
@@ -164,6 +165,8 @@ class Worker:
         self.mirror = mirror or Mirror()
         self.decoded_tokens = 0  # every reply's, those cut short by a client leaving too
         self._jobs: queue.Queue[Job | None] = queue.Queue()  # FIFO: first come first served
+        # made here, so that a bad SPECMLX_MAX_BATCH stops the server as it starts
+        self._batch = Batch(pool.target, self.waiting) if self.mirror.world is None else None
         self._thread = threading.Thread(target=self._serve, name="specmlx-decode", daemon=True)
 
     def start(self) -> None:
@@ -184,8 +187,8 @@ class Worker:
         return self._jobs.qsize()
 
     def _serve(self) -> None:
-        if self.mirror.world is None:
-            self._serve_batched()
+        if self._batch is not None:
+            self._serve_batched(self._batch)
             return
         log.info(
             "serving on %d ranks: one request at a time (batching across ranks is not built)",
@@ -206,10 +209,10 @@ class Worker:
             job.emit("done", done)
         self.mirror.job(None)  # the other ranks stop following
 
-    def _serve_batched(self) -> None:
+    def _serve_batched(self, batch: Batch) -> None:
         """Seat waiting Jobs while there is room, then run a round; after stop(), finish
         the replies in progress."""
-        batch, stopping = Batch(self.pool.target, self.waiting), False
+        stopping = False
         while not (stopping and not batch.seats):
             while not stopping and batch.has_room():
                 try:
