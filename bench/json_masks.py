@@ -1,5 +1,6 @@
-"""What a JSON schema's token masks cost on a model's vocabulary, per library: the
-schema's compile time and each token's mask, stepping through a valid answer.
+"""What a JSON schema's token masks cost per library on a model's vocabulary.
+
+The schema's compile time and each token's mask, stepping through a valid answer:
 
     python -m bench json_masks [--model DIR]
 
