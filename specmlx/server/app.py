@@ -525,6 +525,7 @@ def run_stats(done: Finished) -> dict:
         "tree_rounds": stats.tree_rounds,
         "tree_nodes": stats.tree_nodes,
         "rounds_by_shape": stats.rounds_by_shape,
+        "batch": stats.batch,  # served beside others: what the batch did (batch.Seat.report)
     }
 
 
