@@ -13,6 +13,16 @@
 3. The server is stopped with SIGINT (it must exit, cleanly), and every raw figure and the
    machine's facts go to a JSON, the medians and ratios to a short markdown.
 
+With --batch it measures continuous batching instead (issue 64's first bar): 4 streamed
+clients at once, one code prompt each (greedy, 128 tokens, auto γ), against one client
+sending the same 4 one after another, in the order O F F O ... (--rounds pairs); with
+--baseline, the one-client pass also runs against a second server that decodes one
+request at a time (SPECMLX_MAX_BATCH=1), interleaved. The bars: four clients' total tok/s
+≥ 2× one client's, every first token ≤ 1.5 s, every reply equal to the same request
+alone, one client ≥ 0.97× the unbatched server's. Written to server-batch*.json / .md.
+
+    python -m bench server_overhead --batch --baseline
+
     python -m bench server_overhead \\
         --model $SPECMLX_HOME/models/qwen2.5-coder-1.5b-instruct-int4 \\
         --draft $SPECMLX_HOME/models/qwen2.5-coder-0.5b-instruct-int4
@@ -127,14 +137,17 @@ def git_commit() -> str | None:
 class Server:
     """`specmlx serve` as a subprocess on 127.0.0.1 and a port the OS picks (--port 0)."""
 
-    def __init__(self, target: Path, draft: Path):
+    def __init__(self, target: Path, draft: Path, env: dict | None = None):
+        self.env = env or {}
         self.command = [
             sys.executable, "-m", "specmlx", "serve",
             "-m", str(target), "-d", str(draft),
             "--host", "127.0.0.1", "--port", "0",
         ]  # fmt: skip
         started = time.perf_counter()
-        self.process = subprocess.Popen(self.command, stderr=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(
+            self.command, stderr=subprocess.PIPE, text=True, env={**os.environ, **self.env}
+        )
         self.log: list[str] = []
         self._url = threading.Event()
         self.url = ""
@@ -426,6 +439,183 @@ def pass_summary(requests: list[dict]) -> dict:
     }
 
 
+# ---------------------------------------------------------------- --batch
+
+
+BATCH_PROMPTS = [PROMPTS[0], PROMPTS[1], PROMPTS[4], PROMPTS[6]]  # four Python functions
+BARS = {"throughput_ratio": 2.0, "ttft_s_max": 1.5, "one_client_ratio": 0.97}
+
+
+def one_client(server: Server, prompts: list[str], gamma, max_tokens: int) -> list[dict]:
+    """One client sending each prompt in turn."""
+    with httpx.Client(base_url=server.url, timeout=600) as http:
+        return [
+            {"prompt": p, **stream_chat(http, server.model_id, p, gamma, max_tokens)}
+            for p in prompts
+        ]
+
+
+def many_clients(server: Server, prompts: list[str], gamma, max_tokens: int) -> list[dict]:
+    """A client per prompt, each on its own connection, all sending at the same moment."""
+    start_line = threading.Barrier(len(prompts))
+
+    def client(prompt: str) -> dict:
+        with httpx.Client(base_url=server.url, timeout=600) as http:
+            start_line.wait()
+            return {
+                "prompt": prompt,
+                **stream_chat(http, server.model_id, prompt, gamma, max_tokens),
+            }
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(client, prompts))
+
+
+def batching(
+    server: Server, baseline: Server | None, rounds: int, gamma, max_tokens: int, clients: int
+) -> dict:
+    """One client (O) and `clients` at once (F) in the order O F, F O, ...; with a baseline
+    server, its one-client pass (B) beside each O. Totals over every pass of a kind."""
+    prompts = (BATCH_PROMPTS * clients)[:clients]
+    say("batching: a warm-up request on each server (kept, not in the totals)")
+    warmup = [one_client(s, prompts[:1], gamma, max_tokens) for s in (server, baseline) if s]
+    kinds = []
+    for r in range(rounds):
+        pair = ["one", "many"] if r % 2 == 0 else ["many", "one"]
+        if baseline is not None:
+            pair.insert(pair.index("one") + (r % 2), "unbatched")
+        kinds += pair
+    passes = []
+    for kind in kinds:
+        say(f"batching: a {kind} pass, {len(prompts)} requests of {max_tokens} tokens")
+        if kind == "many":
+            replies = many_clients(server, prompts, gamma, max_tokens)
+        else:
+            replies = one_client(
+                baseline if kind == "unbatched" else server, prompts, gamma, max_tokens
+            )
+        summary = pass_summary(replies)
+        passes.append({"kind": kind, "summary": summary, "requests": replies})
+        say(
+            f"  {summary['tokens']} tokens in {summary['wall_s']:.1f} s = "
+            f"{summary['tokens_per_s']:.2f} tok/s, TTFT max {summary['ttft_s_max']:.2f} s"
+        )
+    out: dict = {"order": kinds, "warmup": warmup, "passes": passes}
+    for kind in dict.fromkeys(kinds):
+        mine = [p["summary"] for p in passes if p["kind"] == kind]
+        tokens, wall = sum(p["tokens"] for p in mine), sum(p["wall_s"] for p in mine)
+        out[kind] = {
+            "tokens": tokens,
+            "wall_s": wall,
+            "tokens_per_s": tokens / wall,
+            "ttft_s_max": max(p["ttft_s_max"] for p in mine),
+        }
+    out["throughput_ratio"] = out["many"]["tokens_per_s"] / out["one"]["tokens_per_s"]
+    if baseline is not None:
+        out["one_client_ratio"] = out["one"]["tokens_per_s"] / out["unbatched"]["tokens_per_s"]
+    # Greedy: each reply must be the one its request gets alone (the first one-client pass).
+    alone = {
+        r["prompt"]: r["text"] for r in next(p for p in passes if p["kind"] == "one")["requests"]
+    }
+    others = [r for p in passes for r in p["requests"] if p["kind"] != "one"]
+    out["same_text"], out["compared_texts"] = (
+        sum(r["text"] == alone[r["prompt"]] for r in others),
+        len(others),
+    )
+    out["batch_stats"] = [
+        r["server"].get("batch") for p in passes if p["kind"] == "many" for r in p["requests"]
+    ]
+    return out
+
+
+def batch_markdown(result: dict) -> str:
+    b, facts = result["batching"], result["machine"]
+    bars = [
+        ("total tok/s, many clients / one", b["throughput_ratio"], "≥", BARS["throughput_ratio"]),
+        ("slowest first token, many clients (s)", b["many"]["ttft_s_max"], "≤", BARS["ttft_s_max"]),
+    ]
+    if "one_client_ratio" in b:
+        bars.append(
+            (
+                "one client, batching / unbatched server",
+                b["one_client_ratio"],
+                "≥",
+                BARS["one_client_ratio"],
+            )
+        )
+    lines = [
+        "# `specmlx serve` continuous batching — Qwen2.5-Coder 1.5B + 0.5B INT4",
+        "",
+        "```",
+        result["command"],
+        "```",
+        "",
+        f"CPU: {cpu_line(facts)}; commit {result['commit']}; load average "
+        f"{fmt_load(facts['load_average'])} at the start, "
+        f"{fmt_load(result['load_average_end'])} at the end.",
+        f"{len(b['passes'][0]['requests'])} code prompts, T = 0, "
+        f"{result['settings']['max_tokens']} tokens, γ {result['settings']['gamma']}, "
+        f"passes in the order {', '.join(b['order'])}.",
+        "",
+        "| pass | tokens | wall s | tok/s | TTFT median / max |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for i, one in enumerate(b["passes"], 1):
+        p = one["summary"]
+        lines.append(
+            f"| {i}. {one['kind']} | {p['tokens']} | {p['wall_s']:.1f} | {p['tokens_per_s']:.2f} "
+            f"| {p['ttft_s_median']:.2f} / {p['ttft_s_max']:.2f} s |"
+        )
+    lines += ["", "| bar | measured | wanted | met |", "| --- | --- | --- | --- |"]
+    for name, value, sign, bar in bars:
+        met = value >= bar if sign == "≥" else value <= bar
+        lines.append(f"| {name} | {value:.3f} | {sign} {bar} | {'yes' if met else 'NO'} |")
+    lines += [
+        "",
+        f"Replies equal to the same request alone: {b['same_text']}/{b['compared_texts']}.",
+        f"What the batch did (each many-clients reply's stats): {b['batch_stats'][:4]}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def batch_main(args) -> None:
+    started = time.perf_counter()
+    facts = machine_facts()
+    say(f"CPU: {cpu_line(facts)}")
+    server = Server(args.model, args.draft)
+    baseline = Server(args.model, args.draft, {"SPECMLX_MAX_BATCH": "1"}) if args.baseline else None
+    try:
+        part = batching(server, baseline, args.rounds, args.gamma, args.max_tokens, args.clients)
+    finally:
+        stops = [s.stop() for s in (server, baseline) if s]
+    result = {
+        "schema": 1,
+        "command": " ".join(portable(a) if os.path.isabs(a) else a for a in sys.argv),
+        "commit": git_commit(),
+        "duration_s": time.perf_counter() - started,
+        "machine": facts,
+        "load_average_end": os.getloadavg(),
+        "models": {"target": portable(args.model), "draft": portable(args.draft)},
+        "settings": {
+            "max_tokens": args.max_tokens,
+            "gamma": args.gamma,
+            "clients": args.clients,
+            "rounds": args.rounds,
+            "prompts": BATCH_PROMPTS,
+            "bars": BARS,
+        },
+        "server": {"log": server.log, "baseline_log": baseline.log if baseline else None},
+        "batching": part,
+        "stop": stops,
+    }
+    out = args.out or RESULTS / "server-batch-qwen2.5-coder.json"
+    md = args.md or RESULTS / "server-batch.md"
+    out.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n")
+    md.write_text(batch_markdown(result))
+    say(f"wrote {out} and {md} in {result['duration_s'] / 60:.1f} min")
+
+
 # ---------------------------------------------------------------- the report
 
 
@@ -625,8 +815,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", type=Path, help=f"default: $SPECMLX_HOME/models/{TARGET}")
     parser.add_argument("--draft", type=Path, help=f"default: $SPECMLX_HOME/models/{DRAFT}")
     parser.add_argument("--runs", type=int, default=5, help="A/B pairs per γ")
-    parser.add_argument("--out", type=Path, default=RESULTS / "server-overhead-qwen2.5-coder.json")
-    parser.add_argument("--md", type=Path, default=RESULTS / "server-overhead.md")
+    parser.add_argument("--out", type=Path, help="default: results/server-overhead-*.json")
+    parser.add_argument("--md", type=Path, help="default: results/server-overhead.md")
+    parser.add_argument("--batch", action="store_true", help="measure continuous batching")
+    parser.add_argument(
+        "--baseline", action="store_true", help="--batch: also a server of one at a time"
+    )
+    parser.add_argument("--clients", type=int, default=4, help="--batch: clients at once")
+    parser.add_argument("--max-tokens", type=int, default=128, help="--batch: tokens a reply")
+    parser.add_argument("--gamma", default="auto", help="--batch: num_draft of each request")
     parser.add_argument(
         "--rounds", type=int, default=2, help="concurrent + sequential pass pairs (C S, S C)"
     )
@@ -639,6 +836,16 @@ def main(argv: list[str] | None = None) -> None:
 
         args.model = args.model or home() / "models" / TARGET
         args.draft = args.draft or home() / "models" / DRAFT
+    if args.gamma != "auto":
+        args.gamma = int(args.gamma)
+    if args.batch:
+        if args.from_json:
+            args.md.write_text(batch_markdown(json.loads(args.from_json.read_text())))
+        else:
+            batch_main(args)
+        return
+    args.out = args.out or RESULTS / "server-overhead-qwen2.5-coder.json"
+    args.md = args.md or RESULTS / "server-overhead.md"
     if args.from_json:
         args.md.write_text(markdown(json.loads(args.from_json.read_text())))
         return
