@@ -11,9 +11,10 @@ MLX collective (`all_sum`, and mlx-lm's own send/recv/all_gather inside the pipe
 Sharding happens before specmlx.cpu.prepare patches the model (loading.load calls
 `shard` right after the model is built, its weights still lazy or mapped, so a rank
 reads only its part). The native CPU kernel then takes what it recognises and leaves the
-rest to MLX: the sharded linear layers are mlx.nn's own classes (the INT4 kernel, the
-gated MLP, the fused q/k/v and the fused decoder block skip them, so their all-sums stay
-in the pass), while attention, norms, RoPE, embedding and head keep the native ops.
+rest to MLX: the sharded linear layers (mlx.nn's Quantized{AllToSharded,ShardedToAll}
+Linear) run on the INT4 kernel with their all-sum kept (cpu.quantized); the gated MLP,
+the fused q/k/v and the fused decoder block skip them, so every all-sum stays in the
+pass; attention, norms, RoPE, embedding and head keep the native ops.
 
 The rounds' lockstep (one plan for every rank) is specmlx.lockstep's.
 """

@@ -303,6 +303,31 @@ def test_patch_model_skips_other_layers():
 
 
 @needs_native
+def test_a_tensor_splits_layers_run_on_the_kernel_and_keep_their_sum():
+    # mlx-lm's shard() makes these; MLX's own CPU product over them was ~25x the kernel's.
+    # A group of one rank: the all-sum is the identity, the layers otherwise as on two.
+    from mlx.nn.layers.distributed import (
+        QuantizedAllToShardedLinear,
+        QuantizedShardedToAllLinear,
+    )
+
+    mx.random.seed(3)
+    pair = nn.Sequential(
+        QuantizedAllToShardedLinear(128, 256, bias=True, group_size=64),
+        QuantizedShardedToAllLinear(256, 128, bias=True, group_size=64),
+    )
+    pair.layers[1].bias = mx.random.normal((128,))
+    x = mx.random.normal((3, 128))
+    want = pair(x)
+    assert patch_model(pair) == 2
+    assert [type(m).__name__ for m in pair.layers] == [
+        "NativeAllToShardedLinear",
+        "NativeShardedToAllLinear",
+    ]
+    assert rel_err(pair(x), want) < 2e-5
+
+
+@needs_native
 def test_load_patches_int4_models_on_cpu(quantized_tiny, model_dirs, tmp_path):
     """specmlx.load(native=True, the default) routes an INT4 checkpoint through the kernel."""
     from mlx.utils import tree_flatten

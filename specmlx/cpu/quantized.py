@@ -1,5 +1,7 @@
 """MLX's quantized layers on the native kernel: NativeQuantizedLinear and
-NativeQuantizedEmbedding, and `patch_model`, which swaps a model's layers for them.
+NativeQuantizedEmbedding, the two halves of a tensor-parallel pair (mlx.nn's
+Quantized{AllToSharded,ShardedToAll}Linear, as mlx-lm's `shard` makes them), and
+`patch_model`, which swaps a model's layers for them.
 
 A patched layer keeps its parameters and class ancestry (only __class__ changes to a
 subclass), and every call still checks that it runs on a CPU stream, so a patched model
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.layers.distributed import QuantizedAllToShardedLinear, QuantizedShardedToAllLinear
 
 from . import native
 from .ops import BITS, GROUP_SIZES, quantized_matmul, supports
@@ -35,23 +38,44 @@ class NativeQuantizedLinear(nn.QuantizedLinear):
         return packed if fresh else None
 
     def __call__(self, x: mx.array) -> mx.array:
-        w, scales, biases = self["weight"], self["scales"], self.get("biases")
-        bias = self.get("bias")
-        if (
-            bias is not None
-            and bias.dtype == scales.dtype
-            and mx.float32 in (x.dtype, scales.dtype)
-            and supports(x, w, scales, biases, self.group_size, self.bits, self.mode)
-        ):
-            return native._ext.quantized_matmul(
-                x, w, scales, biases, self.group_size, self.bits, bias, self.packed_tiles
-            )
-        y = quantized_matmul(
-            x, w, scales, biases, self.group_size, self.bits, self.mode, self.packed_tiles
+        return _product(self, x, self.get("bias"), self.packed_tiles)
+
+
+def _product(
+    layer: nn.Module, x: mx.array, bias: mx.array | None, packed: mx.array | None
+) -> mx.array:
+    """x @ layer's weights.T (+ bias) on the kernel where it applies, MLX's elsewhere."""
+    w, scales, biases = layer["weight"], layer["scales"], layer.get("biases")
+    if (
+        bias is not None
+        and bias.dtype == scales.dtype
+        and mx.float32 in (x.dtype, scales.dtype)
+        and supports(x, w, scales, biases, layer.group_size, layer.bits, layer.mode)
+    ):
+        return native._ext.quantized_matmul(
+            x, w, scales, biases, layer.group_size, layer.bits, bias, packed
         )
-        if bias is not None:
-            y = y + bias
-        return y
+    y = quantized_matmul(x, w, scales, biases, layer.group_size, layer.bits, layer.mode, packed)
+    return y if bias is None else y + bias
+
+
+class NativeAllToShardedLinear(QuantizedAllToShardedLinear):
+    """A tensor split's first layer (this rank's rows of the output; nothing crosses ranks
+    in the forward pass) on the kernel: MLX's own CPU product took ~25x the kernel's time,
+    so a split model ran at a small fraction of one process's speed."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return _product(self, x, self.get("bias"), None)
+
+
+class NativeShardedToAllLinear(QuantizedShardedToAllLinear):
+    """A tensor split's second layer on the kernel: this rank's share of the product over
+    its slice of the input, summed over the ranks, then the bias once."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = mx.distributed.all_sum(_product(self, x, None, None), group=self.group)
+        bias = self.get("bias")
+        return y if bias is None else y + bias
 
 
 class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
@@ -100,6 +124,9 @@ class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
         )
 
 
+SHARDED = (QuantizedAllToShardedLinear, QuantizedShardedToAllLinear)
+
+
 def _qualifies(layer: nn.Module) -> bool:
     # 6-bit products need int8 x; a 6-bit embedding's lookups do not (its as_linear then
     # falls back to MLX's product call by call, through supports)
@@ -119,7 +146,7 @@ def runs_int4(module: nn.Module) -> bool:
         native._ext is not None
         and mx.default_device() == mx.cpu
         and any(
-            isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+            isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding, *SHARDED))
             and layer.bits == 4
             and _qualifies(layer)
             for layer in module.modules()
@@ -175,6 +202,8 @@ def patch_model(module: nn.Module) -> int:
     swaps = {
         nn.QuantizedLinear: NativeQuantizedLinear,
         nn.QuantizedEmbedding: NativeQuantizedEmbedding,
+        QuantizedAllToShardedLinear: NativeAllToShardedLinear,
+        QuantizedShardedToAllLinear: NativeShardedToAllLinear,
     }
     patched = 0
     for layer in module.modules():
