@@ -18,8 +18,9 @@ package, with its own built extension, goes first on PYTHONPATH; `-` for the ins
 one), MODEL a model directory (default --model), DRAFT a draft model that variant
 speculates with at auto γ (default --draft; `-` for none: the target alone). --env
 NAME:KEY=VALUE sets a variable for one variant's runs; --ranks NAME:N runs that variant
-as N ranks on this machine (`mlx.launch -n N --backend ring`, the target split as
-`specmlx generate` splits it, each rank SPECMLX_THREADS = CPUs / N; rank 0 reports).
+as N ranks on this machine (the ring backend on localhost, each rank started as
+`mlx.launch -n N --backend ring` starts it; the target split as `specmlx generate`
+splits it, each rank SPECMLX_THREADS = CPUs / N; rank 0 reports).
 
 Each run loads the model, decodes 16 greedy tokens to warm up, then each prompt (the
 fixed one, or --prompts SPLIT:CATEGORY:K from the suite, chat-templated): alone, --tokens
@@ -35,7 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -121,17 +122,40 @@ def run_once(tree: str, model: str, extra: dict, tokens: int, draft: str = "-", 
         passes=options.get("passes", []),
     )
     argv = [sys.executable, "-c", CHILD, json.dumps(args)]
-    if ranks > 1:
-        launch = shutil.which("mlx.launch", path=str(Path(sys.executable).parent))
-        env.setdefault("SPECMLX_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
-        argv = [launch or "mlx.launch", "-n", str(ranks), "--backend", "ring", "--", *argv]
     with tempfile.TemporaryDirectory() as cwd:  # so that the working tree's own specmlx
-        out = subprocess.run(  # does not shadow TREE's
-            argv, capture_output=True, text=True, env=env, cwd=cwd, check=False
-        )
-    if out.returncode != 0:
-        sys.exit(f"a run of {tree}:{model} failed:\n{out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+        if ranks > 1:  # does not shadow TREE's
+            env.setdefault("SPECMLX_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
+            env["MLX_HOSTFILE"] = str(Path(cwd) / "hosts.json")
+            Path(env["MLX_HOSTFILE"]).write_text(json.dumps(ring_hosts(ranks)))
+        procs = [
+            subprocess.Popen(
+                argv,
+                env=dict(env, MLX_RANK=str(rank)) if ranks > 1 else env,
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for rank in range(ranks)
+        ]
+        outs = [p.communicate() for p in procs]
+    if any(p.returncode != 0 for p in procs):
+        sys.exit(f"a run of {tree}:{model} failed:\n{outs[0][1][-2000:]}")
+    return json.loads(outs[0][0].strip().splitlines()[-1])
+
+
+def ring_hosts(ranks: int) -> list[list[str]]:
+    """mlx.launch's hostfile for `ranks` ranks on localhost (the ring backend), on free
+    ports. The ranks start as mlx.launch starts them, without it: its relay of their
+    output polls a writable pipe in a loop and took about a core per rank here."""
+    sockets = [socket.socket() for _ in range(ranks)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return [[f"127.0.0.1:{port}"] for port in ports]
 
 
 def suite_prompts(spec: str) -> list[str]:
