@@ -528,6 +528,19 @@ def batching(
     return out
 
 
+def result_head(args: argparse.Namespace, started: float, facts: dict) -> dict:
+    """What every result of this script opens with: the command, commit, time, machine."""
+    return {
+        "schema": 1,
+        "command": " ".join(portable(a) if os.path.isabs(a) else a for a in sys.argv),
+        "commit": git_commit(),
+        "duration_s": time.perf_counter() - started,
+        "machine": facts,
+        "load_average_end": os.getloadavg(),
+        "models": {"target": portable(args.model), "draft": portable(args.draft)},
+    }
+
+
 def batch_markdown(result: dict) -> str:
     b, facts = result["batching"], result["machine"]
     bars = [
@@ -590,13 +603,7 @@ def batch_main(args) -> None:
     finally:
         stops = [s.stop() for s in (server, baseline) if s]
     result = {
-        "schema": 1,
-        "command": " ".join(portable(a) if os.path.isabs(a) else a for a in sys.argv),
-        "commit": git_commit(),
-        "duration_s": time.perf_counter() - started,
-        "machine": facts,
-        "load_average_end": os.getloadavg(),
-        "models": {"target": portable(args.model), "draft": portable(args.draft)},
+        **result_head(args, started, facts),
         "settings": {
             "max_tokens": args.max_tokens,
             "gamma": args.gamma,
@@ -864,13 +871,7 @@ def main(argv: list[str] | None = None) -> None:
     say(f"stopped: {stop}")
 
     result = {
-        "schema": 1,
-        "command": " ".join(portable(a) if os.path.isabs(a) else a for a in sys.argv),
-        "commit": git_commit(),
-        "duration_s": time.perf_counter() - started,
-        "machine": facts,
-        "load_average_end": os.getloadavg(),
-        "models": {"target": portable(args.model), "draft": portable(args.draft)},
+        **result_head(args, started, facts),
         "settings": {
             "prompt": PROMPT,
             "gammas": list(GAMMAS),

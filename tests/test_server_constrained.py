@@ -15,6 +15,7 @@ import httpx
 import llguidance
 import mlx.core as mx
 import pytest
+from test_constrained import SCHEMA
 from test_server import GREEDY, HANG_S, MODEL, running, template_ids
 from test_server_openai import USER, WEATHER, client_of, with_qwen_template
 
@@ -23,16 +24,6 @@ from specmlx import constrained
 from specmlx.server import make_app
 
 CHAT = "/v1/chat/completions"
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "answer": {"enum": ["yes", "no", "maybe"]},
-        "sure": {"type": "boolean"},
-        "n": {"type": "integer", "minimum": 0, "maximum": 99},
-    },
-    "required": ["answer", "sure", "n"],
-    "additionalProperties": False,
-}
 JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA}}
 CLOCK = {
     "type": "function",

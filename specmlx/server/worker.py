@@ -198,15 +198,7 @@ class Worker:
             if job.cancelled.is_set():  # its client left while it waited
                 continue
             self.mirror.job(job)
-            try:
-                done = decode(job, self.pool, self.mirror)
-            except Gone:  # its client left during the prefill: nobody to tell
-                continue
-            except Exception as e:  # the request's error, never the thread's end
-                job.emit("error", e)
-                continue
-            self.decoded_tokens += done.stats.tokens
-            job.emit("done", done)
+            self._decode(job)
         self.mirror.job(None)  # the other ranks stop following
 
     def _serve_batched(self, batch: Batch) -> None:
@@ -228,18 +220,19 @@ class Worker:
                     log.error("a decode ended in error", exc_info=seat.error)
 
     def _seated(self, job: Job):
-        def work(seat: Seat) -> None:
-            try:
-                done = decode(job, self.pool, self.mirror, seat)
-            except Gone:  # its client left during the prefill: nobody to tell
-                return
-            except Exception as e:  # the request's error, never the thread's end
-                job.emit("error", e)
-                return
-            self.decoded_tokens += done.stats.tokens
-            job.emit("done", done)
+        return lambda seat: self._decode(job, seat)
 
-        return work
+    def _decode(self, job: Job, seat: Seat | None = None) -> None:
+        """Decode one Job (in `seat` of a batch, or alone) and tell its client the end."""
+        try:
+            done = decode(job, self.pool, self.mirror, seat)
+        except Gone:  # its client left during the prefill: nobody to tell
+            return
+        except Exception as e:  # the request's error, never the thread's end
+            job.emit("error", e)
+            return
+        self.decoded_tokens += done.stats.tokens
+        job.emit("done", done)
 
 
 def decode(
