@@ -1,24 +1,17 @@
-"""Continuous batching: the sequences decoding at once share one target pass a round, and
-one draft-model pass per draft step.
+"""Continuous batching: the sequences decoding at once share one target pass a round.
 
 Each sequence keeps everything of its own: its Session (the target's cache and its
 drafters'), its policy, its keys, its text, and the engine's round loop itself runs for
-it unchanged (engine._decode). Only the models' passes are shared. A sequence's decode
-is a `Seat`: a thread that runs only while the model thread hands it the turn, so exactly
+it unchanged (engine._decode). Only the target's pass is shared. A sequence's decode is
+a `Seat`: a thread that runs only while the model thread hands it the turn, so exactly
 one thread ever touches the models, and a sequence's round stops where its target pass
-would run (Target._forward), and before that at each of its draft model's steps
-(drafters/model.py). While any seat waits at a draft step, the seats waiting there with
-the same draft model share ONE pass (step k of each: the target's pass handed them their
-turns together), and go on; once every seat waits for its target pass (or finished, or
-did one chunk of its prompt), `Batch.round` runs ONE pass over all their tokens and
-hands each its rows. Requests join and leave between rounds; a newcomer's prompt is
-taken one chunk (caches.PREFILL_STEP) a round, so the others' streams never wait for a
-whole prompt.
+would run (Target._forward). Once every seat has stopped there (or finished, or done one
+chunk of its prompt), `Batch.round` runs ONE pass over all their tokens and hands each
+its rows. Requests join and leave between rounds; a newcomer's prompt is taken one chunk
+(caches.PREFILL_STEP) a round, so the others' streams never wait for a whole prompt.
 
-Either pass is mlx-lm's model over (B, widest) tokens (a draft step keeps each row's last
-position's logits only, through the draft's sub-vocabulary head where it has one): rows
-shorter than the round's widest are padded, and their padding never reaches a cache or a
-reply. Each
+The pass is mlx-lm's model over (B, widest) tokens: rows shorter than the round's
+widest proposal are padded, and their padding never reaches a cache or a reply. Each
 row's cache is its sequence's own (`RowsCache` is one layer's view of them): its keys
 and values are written there, its RoPE positions are its own offset, and its attention
 runs the very call it makes alone (the same function, its own cache, its own causal
@@ -39,14 +32,11 @@ where two tokens are within rounding of each other a greedy reply can take the o
 (it is still the target's greedy decoding up to float rounding, and a sampled reply still
 follows the target's distribution).
 
-What is batched: chains and plain rounds, and a draft model's chain steps. A tree's pass,
-or a pass that keeps the target's features for a head, runs alone in the round, exact
-but unshared; so do a draft model's tree levels and a head drafter's passes (heads/),
-which run on the seat's thread in its turn; a sequence
+What is batched: chains and plain rounds. A tree's pass, or a pass that keeps the
+target's features for a head, runs alone in the round, exact but unshared; a sequence
 whose cache is not a plain KV cache (a sliding window, a recurrent state), or a model
 whose mask is not the causal one, runs its passes alone too. A batch-aware policy
-(policy/batched.py) prices each round's width and γ per sequence, and a shared draft
-step as one pass over the rows drafting that far.
+(policy/batched.py) prices each round's width and γ per sequence.
 """
 
 from __future__ import annotations
@@ -57,8 +47,6 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -67,7 +55,7 @@ from mlx_lm.models.cache import KVCache
 from .caches import PaddedKVCache, layers
 from .errors import SpecmlxError
 from .loading import Model
-from .policy.batched import TARGET, BatchCosts, BatchPolicy, Want, choose_gammas
+from .policy.batched import BatchCosts, BatchPolicy, Want, choose_gammas
 
 # The most sequences decoding at once; later requests wait for a seat, first come first
 # served. Each holds its own caches (the Session pool's budget bounds what stays idle).
@@ -91,33 +79,6 @@ _ROW_CACHES = (KVCache, PaddedKVCache)
 
 class NotBatchable(Exception):
     """A pass the rows cannot share (a mask other than the causal one): run each alone."""
-
-
-@dataclass
-class Request:
-    """A pass a seat waits for: the model, the seat's own cache, its tokens, and what it
-    wants back. Requests of one `group` share a pass."""
-
-    model: Model
-    cache: list
-    tokens: mx.array
-    last: bool = False  # a draft step: the last position's logits only, (1, V')
-    head: Any = None  # a draft step's sub-vocabulary head (drafters.subvocab.SubHead)
-    cost_key: str = TARGET  # whose pass costs it is (BatchCosts)
-
-    @property
-    def group(self) -> tuple:
-        return id(self.model.module), self.last, id(self.head)
-
-
-def own_pass(r: Request) -> mx.array:
-    """The request's pass alone, as its sequence runs it outside a batch (Target._forward,
-    ModelDrafter.step)."""
-    module = r.model.module
-    if r.head is not None:
-        return r.head.logits(module, r.tokens, r.cache)
-    logits = module(r.tokens[None], cache=r.cache)
-    return logits[:, -1, :] if r.last else logits[0]
 
 
 class _Pass:
@@ -235,13 +196,10 @@ def _by_rows(model: Model, offsets: list[int]):
             module.rope = rope
 
 
-def batched_pass(
-    model: Model, rows: list[tuple[list, mx.array]], last: bool = False, head: Any = None
-) -> list[mx.array]:
+def batched_pass(model: Model, rows: list[tuple[list, mx.array]]) -> list[mx.array]:
     """ONE pass of `model` over each (cache, tokens) row: each row's logits (L, V), its
-    keys and values written to its own cache; with `last`, each row's last position's
-    (1, V) only, through `head` (a SubHead: its sub-vocabulary's rows) where given. Raises
-    NotBatchable, with no cache touched, where the model's mask is not the causal one."""
+    keys and values written to its own cache. Raises NotBatchable, with no cache
+    touched, where the model's mask is not the causal one."""
     lengths = [int(x.shape[0]) for _, x in rows]
     shared = _Pass(lengths)
     padded = zip(rows, lengths, strict=True)
@@ -249,18 +207,8 @@ def batched_pass(
     per_layer = zip(*(layers(cache) for cache, _ in rows), strict=True)
     views = [RowsCache(list(caches), shared) for caches in per_layer]
     with _by_rows(model, [c.offset for c in views[0].rows]):
-        # With a head, its features: the head runs on the rows' last positions only.
-        out = (
-            model.module(tokens, cache=views)
-            if head is None
-            else model.module.model(tokens, cache=views)
-        )
-    if not last:
-        return [out[b, :m] for b, m in enumerate(lengths)]
-    ends = mx.concatenate([out[b, m - 1 : m] for b, m in enumerate(lengths)])
-    if head is not None:  # one product over the B rows: the head's weights read once
-        ends = head.apply(ends)
-    return [ends[b : b + 1] for b in range(len(rows))]
+        logits = model.module(tokens, cache=views)
+    return [logits[b, :m] for b, m in enumerate(lengths)]
 
 
 class _Runner:
@@ -304,12 +252,12 @@ class Seat:
     def __init__(self, batch: Batch, work: Callable[[Seat], None]):
         self.batch, self.work = batch, work
         self.state = "new"  # new, running, stopped (its turn is over), waiting (a pass), done
-        self.request: Request | None = None  # the pass it waits for
+        self.tokens: mx.array | None = None  # the pass it waits for: its rows' tokens
+        self.cache: list | None = None
         self.logits: mx.array | None = None
         self.error: BaseException | None = None
         self.policy: BatchPolicy | None = None
         self.rounds_by_size: dict[int, int] = {}  # its passes by how many rows they held
-        self.draft_steps_by_size: dict[int, int] = {}  # its draft model's steps, likewise
         self.capped = 0  # rounds whose γ the batch lowered
         self._go, self._back = threading.Semaphore(0), threading.Semaphore(0)
 
@@ -357,34 +305,13 @@ class Seat:
         if not (shareable and batchable(cache)):
             self._stop("stopped")
             return None
-        return self._wait(Request(model, cache, x))
-
-    def shares(self, cache: list) -> bool:
-        """Whether a draft model with this cache drafts in shared passes now."""
-        return self.shared and batchable(cache)
-
-    def draft(self, model: Model, cache: list, x: mx.array, head: Any, cost_key: str):
-        """The (1, V') logits at the last of x of this seat's draft step (ModelDrafter.step),
-        a row of the one pass of the step over every seat drafting with `model`; None where
-        the drafter runs its own pass: alone, or a cache no row can be (it runs now)."""
-        if not self.shares(cache):
-            return None
-        return self._wait(Request(model, cache, x, True, head, cost_key))
-
-    def _wait(self, request: Request) -> mx.array:
         # MLX streams are per thread: what this thread computed lazily (the drafts, a
         # trimmed cache) is computed here, so the model thread's pass meets only values.
-        cache = request.cache
-        mx.eval(request.tokens, [(c.keys, c.values) for c in layers(cache) if c.keys is not None])
-        self.request = request
+        mx.eval(x, [(c.keys, c.values) for c in layers(cache) if c.keys is not None])
+        self.tokens, self.cache = x, cache
         self._stop("waiting")
         logits, self.logits = self.logits, None
         return logits
-
-    @property
-    def drafting(self) -> bool:
-        """Whether it waits for a draft step's pass."""
-        return self.state == "waiting" and self.request.last
 
     def between_tokens(self) -> None:
         """Called between a reply's tokens: a seat alone gives the turn back where a
@@ -409,7 +336,6 @@ class Seat:
         """What the batch did in this seat's call, for its stats."""
         return {
             "rounds_by_size": dict(sorted(self.rounds_by_size.items())),
-            "draft_steps_by_size": dict(sorted(self.draft_steps_by_size.items())),
             "capped_rounds": self.capped,
             "verifies": "chains",  # batched rounds verify chains; a tree's pass runs alone
         }
@@ -440,13 +366,12 @@ class Batch:
 
     def round(self) -> list[Seat]:
         """One round: every seat that is not waiting for a pass takes its turn (a
-        newcomer starts, a prompt goes on by a chunk) and drafts, then ONE pass over the
-        seats waiting for the target's, and they go on, drafting, to their next. Returns
-        the seats that finished (removed; `.error` set where their work raised)."""
+        newcomer starts, a prompt goes on by a chunk), then ONE pass over the seats
+        waiting for one, and they go on to their next pass. Returns the seats that
+        finished (removed; `.error` set where their work raised)."""
         for seat in list(self.seats):
             if seat.state != "waiting":
                 seat.turn()
-        self._draft()
         waiting = [s for s in self.seats if s.state == "waiting"]
         if waiting:
             self._pass(waiting)
@@ -454,45 +379,25 @@ class Batch:
         for seat in waiting:
             seat.rounds_by_size[len(waiting)] = seat.rounds_by_size.get(len(waiting), 0) + 1
             seat.turn()
-        self._draft()
         done = [s for s in self.seats if s.state == "done"]
         self.seats = [s for s in self.seats if s.state != "done"]
         return done
 
-    def _draft(self) -> None:
-        """Draft steps until no seat waits at one: each step, ONE pass per draft model over
-        the seats waiting at theirs (they drafted in step since the target's pass handed
-        them their turns), and each goes on to its next step or its target pass."""
-        while drafting := [s for s in self.seats if s.drafting]:
-            groups: dict[tuple, list[Seat]] = {}
-            for seat in drafting:
-                groups.setdefault(seat.request.group, []).append(seat)
-            for seats in groups.values():
-                self._pass(seats)
-                for seat in seats:
-                    sizes = seat.draft_steps_by_size
-                    sizes[len(seats)] = sizes.get(len(seats), 0) + 1
-            for seat in drafting:
-                seat.turn()
-
     def _pass(self, seats: list[Seat]) -> None:
-        """ONE pass over the seats' requests (of one group) and each seat's logits."""
-        requests = [s.request for s in seats]
-        first = requests[0]
+        rows = [(s.cache, s.tokens) for s in seats]
         start = time.perf_counter()
-        if len(requests) == 1:  # the others are elsewhere: the row's own pass
-            logits = [own_pass(first)]
+        if len(rows) == 1:  # the others are taking their prompts: the row's own pass
+            logits = [self.model.module(rows[0][1][None], cache=rows[0][0])[0]]
         else:
-            rows = [(r.cache, r.tokens) for r in requests]
             try:
-                logits = batched_pass(first.model, rows, first.last, first.head)
+                logits = batched_pass(self.model, rows)
             except NotBatchable:
-                logits = [own_pass(r) for r in requests]
+                logits = [self.model.module(x[None], cache=c)[0] for c, x in rows]
         mx.eval(logits)
-        width = max(int(r.tokens.shape[0]) for r in requests)
-        self.costs.observe(len(seats), width, time.perf_counter() - start, first.cost_key)
+        width = max(int(x.shape[0]) for _, x in rows)
+        self.costs.observe(len(seats), width, time.perf_counter() - start)
         for seat, out in zip(seats, logits, strict=True):
-            seat.logits, seat.request = out, None
+            seat.logits, seat.tokens, seat.cache = out, None, None
 
     def _plan(self) -> None:
         """This round's γ per auto seat, from what each wanted last round (policy/batched)."""
@@ -502,8 +407,7 @@ class Batch:
             return
         wants = [s.policy.want for s in priced]
         others = len(self.seats) - len(priced)  # rows the round has anyway
-        price = self.costs.pricer(len(self.seats), wants)
-        gammas = choose_gammas(wants, price, others, self.costs.draft_pricer(wants))
+        gammas = choose_gammas(wants, self.costs.pricer(len(self.seats), wants), others)
         self.gammas = dict(zip(priced, gammas, strict=True))
 
     def cap(self, seat: Seat) -> int | None:
@@ -525,4 +429,4 @@ def run_together(model: Model, works: list[Callable[[Seat], None]]) -> None:
             raise seat.error
 
 
-__all__ = ["Batch", "NotBatchable", "Request", "Seat", "Want", "batched_pass", "run_together"]
+__all__ = ["Batch", "NotBatchable", "Seat", "Want", "batched_pass", "run_together"]

@@ -315,9 +315,6 @@ def generate(
     policy = lockstep(policy, target, params)  # split over ranks: every rank one plan
     if session.target.batch is not None:  # its passes shared with others' (specmlx.batch)
         policy = session.target.batch.wrap(policy)
-    for d in chosen:
-        if hasattr(d, "batch"):  # a draft model's steps are shared too: this call's seat
-            d.batch = session.target.batch
 
     def steps(gen: Generation) -> Iterator[Step]:
         gen.stats.gamma, gen.stats.draft_mode = num_draft if chosen else 0, mode

@@ -42,9 +42,6 @@ class ModelDrafter:
 
     With a `head` (drafters.subvocab), its logits cover that sub-vocabulary only: it draws
     from them, and its q is zero outside.
-
-    In a batch (`batch`, a specmlx.batch.Seat: set by generate), each step of a chain is a
-    row of one draft pass shared with the other seats' steps; its tree levels run alone.
     """
 
     name = "model"
@@ -67,13 +64,6 @@ class ModelDrafter:
         # the nodes run so far, in the order their entries follow.
         self.tree_start, self.tree_fed = 0, []
         self.owners: list | None = None  # the attention layers, where a tree's positions go
-        self.batch = None  # its Session's seat in a batch, for this call; None: alone
-
-    @property
-    def shared_key(self) -> str | None:
-        """Its cost_id while its chain steps are rows of a batch's shared draft passes (the
-        batch prices those per key), else None."""
-        return self.cost_id if self.batch is not None and self.batch.shares(self.cache) else None
 
     @property
     def trees(self) -> bool:
@@ -162,24 +152,14 @@ class ModelDrafter:
         sub-vocabulary and the token is mapped back to its full id; but a draw that wants
         the full vocabulary (coupled sampling: Draw's `full_width`) is shown the logits
         widened, so the draft draws over the target's ordering of tokens."""
-        logits = self._last_logits(x)
         if self.head is None:
+            logits = self.model.module(x[None], cache=self.cache)[:, -1, :]
             return (logits, *draw(logits, key))
+        logits = self.head.logits(self.model.module, x, self.cache)
         if getattr(draw, "full_width", False):
             return (logits, *draw(self.head.widen_logits(logits), key))
         probs, index = draw(logits, key)
         return logits, probs, self.head.token(index)
-
-    def _last_logits(self, x: mx.array) -> mx.array:
-        """(1, V') logits at the last of a pass over x: a row of its batch's shared draft
-        step where it has one, else its own pass."""
-        if self.batch is not None:
-            logits = self.batch.draft(self.model, self.cache, x, self.head, self.cost_id)
-            if logits is not None:
-                return logits
-        if self.head is None:
-            return self.model.module(x[None], cache=self.cache)[:, -1, :]
-        return self.head.logits(self.model.module, x, self.cache)
 
     def _tree_step(self, feed: list[int], tokens: list[int], parents: list[int]) -> mx.array:
         """treedraft's Step: the nodes `feed` run after the tree's nodes run before, each

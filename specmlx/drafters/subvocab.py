@@ -57,11 +57,7 @@ class SubHead:
         runs on that position only. `every`: (len(x), N), at every position (a tree's
         nodes)."""
         hidden = module.model(x[None], cache=cache)[0]
-        return self.apply(hidden if every else hidden[-1:])
-
-    def apply(self, hidden: mx.array) -> mx.array:
-        """(R, N) logits of R rows of final hidden states (a batch's draft step: one row
-        per sequence)."""
+        hidden = hidden if every else hidden[-1:]
         return self.rows.as_linear(hidden) if self.tied else self.rows(hidden)
 
     def token(self, index: mx.array) -> mx.array:

@@ -121,10 +121,8 @@ class AutoGamma:
         """How many one-token draft passes a round's draft time stands for, or None when it
         is no clean figure of one: a Session's first proposal (it pays the draft model's
         one-time work: taken as its cost, auto never drafted again in that process), or a
-        first pass that also took a backlog of missed tokens, or a round whose passes were
-        shared with other sequences' (verify_s None: specmlx.batch), whose draft time holds
-        theirs."""
-        if r.first or r.fed > 1 or r.verify_s is None:
+        first pass that also took a backlog of missed tokens."""
+        if r.first or r.fed > 1:
             return None
         if r.fed == 1:  # after a fully accepted round: its last draft rode along
             two = self.scheduler.costs.ratio(2)  # priced on the target's curve: same shape
