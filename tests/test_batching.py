@@ -46,7 +46,9 @@ def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("batching")
     target = build_tiny_model(root / "target", seed=0)
     draft = build_tiny_model(root / "draft", seed=1, perturb_from=target, noise=0.05)
-    return specmlx.load(target), specmlx.load(draft)
+    # Read now, on this thread: MLX evaluates an array on the streams of the thread that
+    # made it, and seats run on threads of their own (where mx.load leaves weights lazy).
+    return specmlx.load(target, lazy=False), specmlx.load(draft, lazy=False)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,7 @@ def one_layer(tmp_path_factory):
     root = tmp_path_factory.mktemp("batching-chi2")
     target = build_tiny_model(root / "target", seed=0, layers=1)
     draft = build_tiny_model(root / "draft", seed=1, layers=1, perturb_from=target, noise=0.1)
-    models = specmlx.load(target), specmlx.load(draft)
+    models = specmlx.load(target, lazy=False), specmlx.load(draft, lazy=False)
     for m in models:
         m.tokenizer.eos_token_ids = set()
     return models
