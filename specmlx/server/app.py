@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API: chat and text completions (streamed or not), models,
-health, and a chat page at `/` (page.html) that shows speculation at work. A request's body is read within a size limit on the event loop; parsing it,
-rendering the chat template and encoding the prompt run on worker threads, so a large
+health, and a chat page at `/` (page.html) that shows speculation at work. A request's
+body is read within a size limit on the event loop; parsing it, rendering the chat
+template and encoding the prompt run on worker threads, so a large
 prompt never holds up other requests (or /health); its decode is queued on the worker,
 and what comes back is shaped as OpenAI does, plus a `specmlx` object of the run's
 speculative statistics. Every request is logged in one line at info level.
