@@ -104,10 +104,14 @@ def _literal(model: Model, marker: str) -> str:
 
 def check(model: Model, grammar: str) -> None:
     """Refuse, in one line, a grammar llguidance cannot compile (a schema it does not
-    support, or malformed)."""
+    support, or malformed): before a request queues (mask() refuses it the same way)."""
     error = _llguidance().LLMatcher.validate_grammar(grammar, grammar_tokenizer(model))
     if error:
-        raise SpecmlxError(f"the schema cannot be used for constrained decoding: {error}")
+        raise _unusable(error)
+
+
+def _unusable(error: str) -> SpecmlxError:
+    return SpecmlxError(f"the schema cannot be used for constrained decoding: {error}")
 
 
 def mask(model: Model, grammar: str) -> Processor:
@@ -118,7 +122,7 @@ def mask(model: Model, grammar: str) -> Processor:
     tokenizer = grammar_tokenizer(model)
     matcher = _llguidance().LLMatcher(tokenizer, grammar)
     if matcher.is_error():
-        raise SpecmlxError(f"the grammar cannot be used: {matcher.get_error()}")
+        raise _unusable(matcher.get_error())
     consumed: list[int] = []
     known = tokenizer.vocab_size
 

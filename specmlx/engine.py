@@ -293,8 +293,6 @@ def generate(
     check_seed(seed)
     tree = parse_tree(tree)
     check_processing(logit_bias, presence_penalty, frequency_penalty, logprobs, target.vocab_size)
-    if grammar is not None:
-        constrained.check(target, grammar)
     mask = constrained.mask(target, grammar) if grammar is not None else None
     processor = processors.make(logit_bias, presence_penalty, frequency_penalty, mask)
     if session is None:
