@@ -233,7 +233,7 @@ def make_app(
         request.state.done = done
         content, calls = parts.add(done.text)
         rest, more = parts.finish()
-        steps = kept(job.steps, len(done.text)) if done.cut else job.steps
+        steps = kept(job.steps, done)
         body = reply.whole(done, content + rest, calls + more, finish_reason(done, parts), steps)
         return JSONResponse(body)
 
@@ -361,7 +361,7 @@ async def stream(
                 taken = len(job.steps)
         done = job.finished
         content, calls = parts.finish()
-        rest = (kept(job.steps, len(done.text)) if done.cut else job.steps)[taken:]
+        rest = kept(job.steps, done)[taken:]
         if content or calls or rest:
             yield sse(reply.chunk(content, calls, steps=rest))
         remember(done)

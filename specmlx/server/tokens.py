@@ -8,14 +8,17 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..engine import Step
+from .worker import Finished
 
 
-def kept(steps: list[Step], text_length: int) -> list[Step]:
-    """The Steps that made the first `text_length` characters of the reply (a stop string
-    cut it there): those that begin before it ends."""
+def kept(steps: list[Step], done: Finished) -> list[Step]:
+    """The Steps behind the reply's text: all of them, or where a stop string cut it
+    short, those that begin before it ends."""
+    if not done.cut:
+        return steps
     out, at = [], 0
     for step in steps:
-        if at >= text_length:
+        if at >= len(done.text):
             break
         out.append(step)
         at += len(step.text)

@@ -214,13 +214,10 @@ class Worker:
                 if job is None:
                     stopping = True
                 elif not job.cancelled.is_set():  # else its client left while it waited
-                    batch.add(self._seated(job))
+                    batch.add(lambda seat, job=job: self._decode(job, seat))
             for seat in batch.round() if batch.seats else []:
                 if seat.error is not None:  # the decode's own errors go to its client
                     log.error("a decode ended in error", exc_info=seat.error)
-
-    def _seated(self, job: Job):
-        return lambda seat: self._decode(job, seat)
 
     def _decode(self, job: Job, seat: Seat | None = None) -> None:
         """Decode one Job (in `seat` of a batch, or alone) and tell its client the end."""
