@@ -234,7 +234,7 @@ class Target:
         (a head's sub-vocabulary, a tree's level), it draws unprocessed: exact either way."""
         if self.processor is None:
             return self.draw
-        history = (self.cached + [last])[self.output_from :]
+        history = self._histories([[last]])[0]
         processed = True
 
         def draw(logits: mx.array, key: mx.array) -> tuple:
@@ -344,9 +344,14 @@ class Target:
         call generated up to there."""
         if self.processor is None:
             return logits
+        return self.processor(logits, self._histories(after()))
+
+    def _histories(self, after: list[list[int]]) -> list[list[int]]:
+        """What the call has generated before each row whose tokens follow the cached text
+        and then `after[r]`: a processor's history."""
         text = self.cached[self.output_from :]
         start = max(0, self.output_from - len(self.cached))  # the prompt's last token
-        return self.processor(logits, [text + a[start:] for a in after()])
+        return [text + a[start:] for a in after]
 
     @staticmethod
     def _tree_after(last: int, drafts: list[int], parents: list[int]) -> list[list[int]]:
