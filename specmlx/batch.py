@@ -386,13 +386,14 @@ class Batch:
     def _pass(self, seats: list[Seat]) -> None:
         rows = [(s.cache, s.tokens) for s in seats]
         start = time.perf_counter()
-        if len(rows) == 1:  # the others are taking their prompts: the row's own pass
-            logits = [self.model.module(rows[0][1][None], cache=rows[0][0])[0]]
-        else:
-            try:
-                logits = batched_pass(self.model, rows)
-            except NotBatchable:
-                logits = [self.model.module(x[None], cache=c)[0] for c, x in rows]
+
+        def alone() -> list[mx.array]:
+            return [self.model.module(x[None], cache=c)[0] for c, x in rows]
+
+        try:  # one row (the others are taking their prompts): its own pass
+            logits = batched_pass(self.model, rows) if len(rows) > 1 else alone()
+        except NotBatchable:
+            logits = alone()
         mx.eval(logits)
         width = max(int(x.shape[0]) for _, x in rows)
         self.costs.observe(len(seats), width, time.perf_counter() - start)
