@@ -441,7 +441,7 @@ def _propose(plan, asked: int, keys: mx.array, target: Target, last: int) -> Pro
     if plan.tree is None:
         proposal = plan.drafter.propose(asked, keys, target.draft_draw(last), plan.go_on)
     else:
-        shape = trees.Shape(plan.tree.parents[:asked])
+        shape = trees.Shape(plan.tree.parents[:asked], plan.tree.depth)
         proposal = plan.drafter.propose(asked, keys, target.draw, plan.go_on, tree=shape)
     return _at_most(asked, proposal)
 

@@ -102,6 +102,10 @@ class Shape:
     each depth, and as many children of one node as its widest node has."""
 
     parents: tuple[int, ...]
+    # At temperature 0, where nothing is drawn and the drafter may place the nodes itself
+    # (drafters.treedraft.grow), the levels it may run: a fixed γ's tree may be as deep as
+    # its chain would be. 0: the shape's own depth (auto priced the passes of that one).
+    depth: int = 0
 
     @property
     def nodes(self) -> int:

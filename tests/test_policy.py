@@ -851,3 +851,34 @@ def test_a_fixed_tree_size_drafts_that_many_nodes_gamma_deep():
     lookup.start([1, 2, 3, 1, 2, 3, 1, 2])
     plan = FixedGamma(3, [lookup], trees=7).plan(100)
     assert plan.tree.nodes == plan.gamma == 7 and len(plan.tree.at_depth) <= 3
+
+
+def fixed_tree_after(rounds: list[tuple[list[int] | None, list[int], int]]) -> FixedGamma:
+    """A fixed γ = 8 policy for trees of 8 nodes, shown rounds of (parents or None for a
+    chain of 8, the accepted path, accepted drafts)."""
+    from dataclasses import replace
+
+    from specmlx.drafters.lookup import LookupDrafter
+    from specmlx.policy.round import Plan, RoundSummary
+
+    lookup = LookupDrafter()
+    lookup.start([*range(1, 12)] * 2 + [1, 2])  # it can offer 8 drafts
+    policy = FixedGamma(8, [lookup], trees=8)
+    for parents, path, accepted in rounds:
+        summary = RoundSummary(Plan(lookup, 8), "lookup", 8, 8, accepted, 0.0, 0.0)
+        policy.observe(replace(summary, parents=parents, path=path))
+    return policy
+
+
+def test_a_fixed_tree_runs_as_a_chain_where_every_draft_passes():
+    policy = fixed_tree_after([(None, list(range(8)), 8)] * 20)
+    plan = policy.plan(100)
+    assert plan.tree is None and plan.gamma == 8
+
+
+def test_a_fixed_tree_spreads_where_first_choices_fail_and_second_ones_pass():
+    # every round: the root's first child fails, its second passes, then nothing
+    parents = [-1, -1, 0, 1, 2, 3, 4, 5]
+    policy = fixed_tree_after([(parents, [1], 1)] * 20)
+    plan = policy.plan(100)
+    assert plan.tree is not None and plan.tree.at_depth[0] >= 2 and plan.tree.depth == 8

@@ -22,7 +22,7 @@ from specmlx.verify import make_sampler
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n"
 N = 40
-SHAPE = Shape((-1, -1, -1, 0, 0, 3, 5, 6))  # 3 under the root, 2 under its first, ...
+SHAPE = Shape((-1, -1, -1, 0, 0, 3, 5, 6))  # 3+2+1+1+1: 3 under the root, 2 under its first, ...
 
 
 def greedy(model, ids, n=N):
@@ -114,41 +114,62 @@ class Table:
         return self.logits[mx.array([tokens[j] for j in feed])]
 
 
-def test_a_grown_tree_keeps_within_its_shape_and_runs_a_pass_per_level():
+def test_a_sampled_tree_keeps_within_its_shape_and_runs_a_pass_per_level():
     table = Table(50)
-    draw = make_sampler(SamplingParams(), 50)
+    draw = make_sampler(SamplingParams(temperature=1.0), 50)
     keys = mx.random.split(mx.random.key(0), 8)
-    proposal = grow(table.logits[3:4], table.step, SHAPE, keys, draw, 50)
+    proposal, kept = grow(table.logits[3:4], table.step, SHAPE, keys, draw, 50)
     grown = Shape(tuple(proposal.parents))
     assert grown.at_depth == SHAPE.at_depth and grown.width <= SHAPE.width
     assert [len(run) for run in table.runs] == pass_widths(SHAPE.at_depth)[1:]
+    assert kept == list(range(SHAPE.nodes))
 
 
 def test_at_temperature_0_a_nodes_children_are_its_top_tokens_in_order():
     table = Table(50)
     draw = make_sampler(SamplingParams(), 50)
-    proposal = grow(
+    proposal, _ = grow(
         table.logits[3:4], table.step, Shape((-1, -1, -1)), mx.zeros((1, 2), mx.uint32), draw, 50
     )
     top = np.argsort(-np.array(table.logits[3]), kind="stable")[:3].tolist()
     assert proposal.tokens.tolist() == top and proposal.q is None
 
 
-def test_the_most_probable_paths_get_the_children():
-    table = Table(50)
+def path_values(proposal, probs, first: int) -> list[float]:
+    """The drafter's probability of each node's whole path, the root's token `first`."""
+    tokens, out = proposal.tokens.tolist(), []
+    for j, parent in enumerate(proposal.parents):
+        above, before = (1.0, first) if parent < 0 else (out[parent], tokens[parent])
+        out.append(above * probs[before, tokens[j]])
+    return out
+
+
+def test_at_temperature_0_the_tree_keeps_the_most_probable_paths_of_all_offered():
+    # 2 wide, 2 levels: the root's top 2 are run, each offers its top 2: of the 6 paths
+    # offered, the shape's 4 nodes are the 4 most probable, wherever they hang
+    probs = None
+    for seed in range(8):
+        table = Table(50, seed)
+        probs = np.array(mx.softmax(table.logits, axis=-1))
+        draw = make_sampler(SamplingParams(), 50)
+        keys = mx.zeros((4, 2), mx.uint32)
+        shape = Shape((-1, -1, 0, 1))
+        proposal, _ = grow(table.logits[3:4], table.step, shape, keys, draw, 50)
+        offered = []
+        for a in np.argsort(-probs[3], kind="stable")[:2]:
+            offered.append(probs[3, a])
+            offered += [probs[3, a] * p for p in np.sort(probs[a])[::-1][:2]]
+        got = sorted(path_values(proposal, probs, 3), reverse=True)
+        np.testing.assert_allclose(got, sorted(offered, reverse=True)[:4], rtol=1e-5)
+
+
+def test_at_temperature_0_a_sure_drafter_grows_a_chain_as_deep_as_the_shape_runs():
+    table = sure_table()
     draw = make_sampler(SamplingParams(), 50)
-    keys = mx.zeros((4, 2), mx.uint32)
-    proposal = grow(table.logits[3:4], table.step, Shape((-1, -1, 0, 1)), keys, draw, 50)
-    probs = np.array(mx.softmax(table.logits, axis=-1))
-    first = proposal.tokens.tolist()[:2]
-    # depth 2 holds two nodes: the two best of (first child's top, second child's top...)
-    values = sorted((probs[3, a] * p, a) for a in first for p in np.sort(probs[a])[::-1][:2])[::-1][
-        :2
-    ]
-    children = proposal.tokens.tolist()[2:]
-    parents = [first[proposal.parents[j]] for j in (2, 3)]
-    got = sorted((probs[3, a] * probs[a, t], a) for a, t in zip(parents, children, strict=True))
-    np.testing.assert_allclose([v for v, _ in got[::-1]], [v for v, _ in values], rtol=1e-5)
+    proposal, _ = grow(table.logits[3:4], table.step, SHAPE, mx.zeros((8, 2), mx.uint32), draw, 50)
+    path = tree.first_path(proposal.parents)
+    assert proposal.tokens[mx.array(path)].tolist() == [4, 5, 6, 7, 8]  # the shape runs 5 levels
+    assert proposal.tokens.size == SHAPE.nodes
 
 
 def test_sampled_siblings_are_drawn_without_replacement_and_judged_by_what_they_were_drawn_from():
@@ -156,7 +177,7 @@ def test_sampled_siblings_are_drawn_without_replacement_and_judged_by_what_they_
     draw = make_sampler(SamplingParams(temperature=1.0), 20)
     for seed in range(20):
         keys = mx.random.split(mx.random.key(seed), 2)
-        proposal = grow(table.logits[3:4], table.step, Shape((-1, -1, -1)), keys, draw, 20)
+        proposal, _ = grow(table.logits[3:4], table.step, Shape((-1, -1, -1)), keys, draw, 20)
         tokens = proposal.tokens.tolist()
         assert len(set(tokens)) == 3
         probs = mx.softmax(table.logits[3], axis=-1)
@@ -196,3 +217,29 @@ def test_a_bad_tree_setting_is_refused_in_one_line(tiny_pair, value):
     with pytest.raises(SpecmlxError, match="tree must be auto, off or a number") as error:
         specmlx.generate(target, [1, 2, 3], tree=value)
     assert "\n" not in str(error.value)
+
+
+def sure_table() -> Table:
+    """A drafter sure of every next token: each token is followed by the next."""
+    table = Table(50)
+    sure = np.full((50, 50), -9.0, np.float32)
+    sure[np.arange(50), (np.arange(50) + 1) % 50] = 9.0
+    table.logits = mx.array(sure)
+    return table
+
+
+def test_at_temperature_0_a_tree_may_run_as_deep_as_its_shape_allows():
+    table = sure_table()
+    draw = make_sampler(SamplingParams(), 50)
+    shape = Shape(SHAPE.parents, depth=8)
+    proposal, _ = grow(table.logits[3:4], table.step, shape, mx.zeros((8, 2), mx.uint32), draw, 50)
+    assert proposal.is_chain and proposal.tokens.tolist() == list(range(4, 12))  # 8 levels
+
+
+def test_a_sampled_tree_keeps_its_shapes_levels_whatever_depth_it_allows():
+    table = sure_table()
+    draw = make_sampler(SamplingParams(temperature=1.0), 50)
+    keys = mx.random.split(mx.random.key(0), 8)
+    shape = Shape(SHAPE.parents, depth=8)
+    proposal, _ = grow(table.logits[3:4], table.step, shape, keys, draw, 50)
+    assert Shape(tuple(proposal.parents)).at_depth == SHAPE.at_depth

@@ -62,7 +62,9 @@ class ModelDrafter:
         self.timed = 0  # passes time_pass has run
         # A tree being grown (treedraft.grow): where its nodes start in the cache, and
         # the nodes run so far, in the order their entries follow.
+        # the nodes it ran: ids while it grows, the proposal's after (None: cut from it)
         self.tree_start, self.tree_fed = 0, []
+        self.grown = False  # the last proposal was grown as a tree (even if cut to a chain)
         self.owners: list | None = None  # the attention layers, where a tree's positions go
 
     @property
@@ -127,7 +129,10 @@ class ModelDrafter:
         if tree is not None:
             self.pending, root = [], self._every_logits(x)[-1:]
             self.tree_start, self.tree_fed = len(self.cached), []
-            proposal = grow(root, self._tree_step, tree, keys, draw, self.width)
+            proposal, kept = grow(root, self._tree_step, tree, keys, draw, self.width)
+            index = {node: i for i, node in enumerate(kept)}  # its ids to the proposal's
+            self.tree_fed = [index.get(node) for node in self.tree_fed]
+            self.grown = True
             proposal.fed, proposal.first, proposal.prompt_s = fed, first, prompt_s
             return proposal
         tokens, qs, tops = [], [], []
@@ -199,7 +204,7 @@ class ModelDrafter:
         if proposal is None:
             self.pending += emitted  # it sat out: it takes them with its next pass
             return 0
-        if not proposal.is_chain:
+        if self.grown:
             return self._commit_tree(proposal, verdict)
         # It fed d_1..d_{g-1} through itself; d_g was sampled but never fed.
         g = proposal.tokens.shape[0]
@@ -219,13 +224,13 @@ class ModelDrafter:
         """Keep the cache entries of the accepted nodes it ran (a path's nodes were run in
         its order), moved up after the context; the rest of the path (a leaf it never ran)
         and the target's token are taken with its next pass."""
-        ran = {node: i for i, node in enumerate(self.tree_fed)}
+        ran = {node: i for i, node in enumerate(self.tree_fed) if node is not None}
         kept = [j for j in verdict.path if j in ran]
         keep_rows(self.cache, [ran[j] for j in kept], len(self.tree_fed))
         drafts = proposal.tokens.tolist()
         self.cached += [drafts[j] for j in kept]
         self.pending = [drafts[j] for j in verdict.path[len(kept) :]] + [verdict.token]
-        self.tree_fed = []
+        self.tree_fed, self.grown = [], False
         return 0
 
     def time_pass(self) -> float:

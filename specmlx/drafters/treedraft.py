@@ -19,6 +19,10 @@ from ..sampling import sample
 from ..tree import Shape
 from .protocol import Draw, Proposal
 
+# Nodes run at each level past a shape's own (Shape.depth, at T = 0): the best two, a
+# second line where the first choice is unsure (one kept less: bench/results/trees-zen4.md).
+PAST_SHAPE = 2
+
 # step(feed, tokens, parents) -> logits (len(feed), V'): the drafter run over the nodes
 # `feed` (ids into `tokens` and `parents`, the tree so far, parents first), each row at
 # its depth's position seeing the context and its own ancestors; its logits at each,
@@ -28,8 +32,9 @@ Step = Callable[[list[int], list[int], list[int]], mx.array]
 
 def grow(
     root: mx.array, step: Step, shape: Shape, keys: mx.array, draw: Draw, width: int
-) -> Proposal:
-    """A tree of drafts under the last emitted token, within `shape`.
+) -> tuple[Proposal, list[int]]:
+    """A tree of drafts under the last emitted token, within `shape`, and the nodes it
+    kept: their ids as `step` saw them, in the proposal's order.
 
     root (1, V'): the drafter's logits after the last emitted token. keys (g, 2): a key
     per depth (the engine's per-draft keys; coupled sampling keys each position, and
@@ -51,8 +56,16 @@ def grow(
     its distribution and the paths above it, before they are drawn (only their ranks'
     probabilities are read); never by a drawn child's own value, which would bias the
     kept children toward the drafter's likely tokens (EAGLE-2's final rerank does that;
-    it is left out). Which nodes are run next reads the drawn children's values, which
-    only decides where deeper children hang.
+    it is left out where anything is drawn). Which nodes are run next reads the drawn
+    children's values, which only decides where deeper children hang.
+
+    At temperature 0 nothing is drawn, so the tree is free to be EAGLE-2's: every node run
+    offers its `shape.width` top tokens, and the shape's node count is kept of all the
+    levels' offers, the most probable paths (a path is never more probable than its
+    parent's, so they form a tree). The drafter then puts its nodes where it is unsure, at
+    any depth the shape runs to (`shape.depth` where that is deeper: past its own levels the
+    best PAST_SHAPE nodes of each are run): a chain where it is sure, siblings where it is
+    not. The passes are the shape's, less the nodes no kept path could pass through.
     """
     tokens: list[int] = []
     parents: list[int] = []
@@ -60,9 +73,14 @@ def grow(
     value: list[float] = []  # the drafter's own probability of each node's path
     feed, logits = [-1], root
     at_depth = shape.at_depth
-    for depth, room in enumerate(at_depth):
+    for depth in range(shape.nodes):
+        if depth == len(at_depth):
+            break
+        room = at_depth[depth]
         rows = [draw(logits[i : i + 1], keys[depth]) for i in range(len(feed))]
         greedy = rows[0][0] is None
+        if greedy and not depth:  # past the shape's levels, where it allows more
+            at_depth += [PAST_SHAPE] * (min(shape.depth, shape.nodes) - len(at_depth))
         if greedy:
             dist = softmax(logits[:, :width].astype(mx.float32))
         else:
@@ -71,14 +89,16 @@ def grow(
         above = [1.0 if v < 0 else value[v] for v in feed]
         extra = mx.random.split(keys[depth], shape.width)
         level = []
-        for i, count in enumerate(_shares(above, top, room)):
-            if not count:
-                continue
+        # at temperature 0 every node run offers its top tokens: the final cut keeps some
+        shares = [shape.width] * len(feed) if greedy else _shares(above, top, room)
+        for i, count in enumerate(shares):
             if greedy:
-                picked = zip(best[i, :count], top[i, :count], strict=True)
-                made = [(int(t), None, above[i] * float(p)) for t, p in picked]
-            else:
+                picked = zip(best[i], top[i], strict=True)
+                made = [(int(t), None, above[i] * float(p)) for t, p in picked if p > 0]
+            elif count:
                 made = _without_replacement(rows[i], count, extra, above[i])
+            else:
+                continue
             for token, q, path_value in made:
                 level.append(len(tokens))
                 tokens.append(token)
@@ -88,9 +108,25 @@ def grow(
         if depth + 1 == len(at_depth) or not level:
             break
         feed = sorted(sorted(level, key=lambda j: (-value[j], j))[: at_depth[depth + 1]])
+        if greedy:  # a node below the cut could only have children below it
+            cut = _best(value, shape.nodes)
+            feed = [j for j in feed if value[j] >= value[cut[-1]]]
+        if not feed:
+            break
         logits = step(feed, tokens, parents)
-    q = None if qs[0] is None else mx.stack(qs)
-    return Proposal(mx.array(tokens, mx.uint32), q, parents)
+    if qs[0] is not None:  # sampled: every node drawn stays (which stay was never chosen)
+        drawn = Proposal(mx.array(tokens, mx.uint32), mx.stack(qs), parents)
+        return drawn, list(range(len(tokens)))
+    kept = sorted(_best(value, shape.nodes))
+    index = {j: i for i, j in enumerate(kept)}
+    parents = [-1 if parents[j] < 0 else index[parents[j]] for j in kept]
+    return Proposal(mx.array([tokens[j] for j in kept], mx.uint32), None, parents), kept
+
+
+def _best(value: list[float], n: int) -> list[int]:
+    """The n nodes of the most probable paths, most probable first (the earlier node on a
+    tie: a parent before its child, which its path can only equal)."""
+    return sorted(range(len(value)), key=lambda j: (-value[j], j))[:n]
 
 
 def _top(dist: mx.array, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -108,7 +108,7 @@ class HeadDrafter:
             self.tree_start, self.tree_fed = self._rows(), []
             self.tree_features = {-1: fed_back[0, -1:]}
             root = self._every_logits(out[0, -1:])
-            return grow(root, self._tree_step, tree, keys, draw, self.width)
+            return grow(root, self._tree_step, tree, keys, draw, self.width)[0]
         tokens, qs, tops = [], [], []
         for i, k in enumerate(keys[:g]):
             features, logits, probs, token = self.step(x, features, k, draw)
@@ -169,7 +169,7 @@ class HeadDrafter:
     def commit(self, proposal: Proposal | None, verdict: Verdict) -> int:
         if proposal is not None:
             # its own drafts' rows, a chain's or a tree's: the target's features replace them
-            self._trim(self.drafted if proposal.is_chain else len(self.tree_fed))
+            self._trim(self.drafted + len(self.tree_fed))  # one of them is 0
             self.drafted, self.tree_fed, self.tree_features = 0, [], {}
         if verdict.hidden is not None:
             self.waiting.append(verdict.hidden)
