@@ -54,8 +54,8 @@ Tree = typer.Option(
     f"pass, exactly at any temperature): auto (with auto gamma, a tree of up to {MAX_TREE} "
     "nodes in the rounds where the measured cost of verifying more tokens and this text's "
     "acceptance make it beat a chain; chains with a fixed gamma), off (chains), or N from 2 "
-    f"to {MAX_TREE} (at most N drafted nodes a round; with a fixed gamma, N nodes gamma deep "
-    "every round).",
+    f"to {MAX_TREE} (at most N drafted nodes a round; with a fixed gamma, N nodes up to gamma "
+    "deep, shaped by this text's acceptance: a chain where every draft passes).",
 )
 DraftMode = typer.Option(
     None,
