@@ -208,6 +208,23 @@ def test_a_tree_row_reads_only_its_ancestors(isas):
         assert np.array_equal(np.array(a)[:, :, 2], np.array(b)[:, :, 2]), isa
 
 
+def test_a_tree_row_reads_the_bits_of_the_chain_of_its_ancestors(isas):
+    # Rows 3 and 4 have a non-ancestor between their ancestors (rows 2 and 3); the chain of
+    # each one's ancestors, verified alone, must give it the same bits, or a tree's path
+    # could decode other tokens than the target alone at a near tie.
+    q, k, v = qkv(1, 2, 6, 5, 60, 64)
+    mask = tree_rows_mask(60, [-1, -1, 0, 1])  # rows 55-59: root, a, b, a's child, b's child
+    for isa in isas:
+        native._ext.set_isa(isa)
+        tree = np.array(native._ext.scaled_dot_product_attention(q, k, v, 0.125, True, mask=mask))
+        for row, ancestors in ((3, [0, 1, 3]), (4, [0, 2, 4])):
+            keep = mx.array(list(range(55)) + [55 + a for a in ancestors])
+            chain = native._ext.scaled_dot_product_attention(
+                q[:, :, mx.array(ancestors)], k[:, :, keep], v[:, :, keep], 0.125, True
+            )
+            assert np.array_equal(tree[:, :, row], np.array(chain)[:, :, -1]), (isa, row)
+
+
 def test_a_tree_pass_mask_takes_the_native_op_and_no_other_array_mask_does():
     q, k, v = qkv(1, 2, 6, 4, 100, 64)
     mask = tree_rows_mask(100, [-1, 0, 0])

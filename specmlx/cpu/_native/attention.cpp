@@ -15,6 +15,7 @@
 // in time order in the other).
 #include "attention.h"
 
+#include <vector>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -429,6 +430,26 @@ void attend(const Kernels& kern, const Call& c, int tile, int r0, int r1) {
     }
   }
 
+  // A tree's rows (mask): each row's kept keys' scores moved together, in position order,
+  // from its first position on, so that its softmax sums them in the lanes, and its values
+  // take them in the order, of the chain of its ancestors (a left-out key between them
+  // shifted the lanes the later ones summed in, and with them the sum's rounding: a tree's
+  // path then read other bits than the same tokens verified as a chain). kept[r - r0]: the
+  // positions the moved scores came from.
+  std::vector<std::vector<int64_t>> kept(c.mask != nullptr ? rows : 0);
+  for (int r = r0; r < r1 && c.mask != nullptr; ++r) {
+    const auto [lo, hi] = c.range(r % c.Lq);
+    float* sr = s + size_t(r - r0) * lds - first;  // indexed by position
+    auto& from = kept[r - r0];
+    for (int64_t p = lo; p <= hi; ++p) {
+      if (!c.masked(r % c.Lq, p)) {
+        sr[lo + int64_t(from.size())] = sr[p];  // never ahead of p: in place
+        from.push_back(p);
+      }
+    }
+    std::fill(sr + lo + int64_t(from.size()), sr + hi + 1, -INFINITY);
+  }
+
   for (int r = r0; r < r1; ++r) {
     const auto [lo, hi] = c.range(r % c.Lq);
     const int64_t from = block_floor(lo, kBlock);
@@ -442,7 +463,7 @@ void attend(const Kernels& kern, const Call& c, int tile, int r0, int r1) {
         a >= c.key_start && a + kValueBlock <= end && c.slot(a) + kValueBlock <= c.Lk) {
       prefetch_rows(vb + c.slot(a) * c.vsl, kValueBlock, c.vsl, D);
     }
-    for (int r = r0; r < r1; ++r) {
+    for (int r = r0; r < r1 && c.mask == nullptr; ++r) {
       const auto [lo, hi] = c.range(r % c.Lq);
       const float* sr = s + size_t(r - r0) * lds - first;  // indexed by position
       // The row's keys of this block in position order, in runs of consecutive slots.
@@ -451,6 +472,22 @@ void attend(const Kernels& kern, const Call& c, int tile, int r0, int r1) {
         kern.values(sr + p, count, vb + j * c.vsl, c.vsl, D, acc + size_t(r - r0) * D);
         p += count;
       }
+    }
+  }
+
+  for (int r = r0; r < r1 && c.mask != nullptr; ++r) {  // a tree's rows: their kept keys
+    const int64_t lo = c.range(r % c.Lq).first;
+    const float* sr = s + size_t(r - r0) * lds - first + lo;  // the moved scores
+    const auto& from = kept[r - r0];
+    for (size_t k = 0; k < from.size();) {  // in runs of consecutive slots
+      const int j = c.slot(from[k]);
+      size_t count = 1;
+      while (k + count < from.size() && from[k + count] == from[k] + int64_t(count) &&
+             c.slot(from[k + count]) == j + int(count)) {
+        ++count;
+      }
+      kern.values(sr + k, int(count), vb + j * c.vsl, c.vsl, D, acc + size_t(r - r0) * D);
+      k += count;
     }
   }
 
