@@ -27,7 +27,8 @@ constexpr int kMaxHeadDim = 512;
 // positions, keys and values alone, bit for bit: not on Lq, the rows beside it, the slots
 // its keys sit in or the thread count. mask (Lq, Lk) bool, optional: row i also leaves
 // out the key in slot j wherever mask[i, j] is false (a tree's rows, each reading the
-// context and its own ancestors; with causal, no row reads past its own position).
+// context and its own ancestors; with causal, no row reads past its own position), its
+// bits those of the chain of its ancestors run alone.
 // Returns (B, Hq, Lq, D). CPU streams only.
 mx::array scaled_dot_product_attention(
     const mx::array& q,
