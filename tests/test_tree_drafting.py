@@ -147,7 +147,6 @@ def path_values(proposal, probs, first: int) -> list[float]:
 def test_at_temperature_0_the_tree_keeps_the_most_probable_paths_of_all_offered():
     # 2 wide, 2 levels: the root's top 2 are run, each offers its top 2: of the 6 paths
     # offered, the shape's 4 nodes are the 4 most probable, wherever they hang
-    probs = None
     for seed in range(8):
         table = Table(50, seed)
         probs = np.array(mx.softmax(table.logits, axis=-1))

@@ -61,8 +61,8 @@ class ModelDrafter:
         self.proposals = 0  # made in this Session
         self.timed = 0  # passes time_pass has run
         # A tree being grown (treedraft.grow): where its nodes start in the cache, and
-        # the nodes run so far, in the order their entries follow.
-        # the nodes it ran: ids while it grows, the proposal's after (None: cut from it)
+        # the nodes run so far, in the order their entries follow (grow's ids while it
+        # grows, the proposal's after it; None: a node the proposal cut)
         self.tree_start, self.tree_fed = 0, []
         self.grown = False  # the last proposal was grown as a tree (even if cut to a chain)
         self.owners: list | None = None  # the attention layers, where a tree's positions go

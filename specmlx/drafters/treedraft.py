@@ -9,6 +9,7 @@ Shape the policy asked for.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -73,9 +74,7 @@ def grow(
     value: list[float] = []  # the drafter's own probability of each node's path
     feed, logits = [-1], root
     at_depth = shape.at_depth
-    for depth in range(shape.nodes):
-        if depth == len(at_depth):
-            break
+    for depth in itertools.count():  # until the last level (at_depth may grow at the first)
         room = at_depth[depth]
         rows = [draw(logits[i : i + 1], keys[depth]) for i in range(len(feed))]
         greedy = rows[0][0] is None
@@ -91,14 +90,14 @@ def grow(
         level = []
         # at temperature 0 every node run offers its top tokens: the final cut keeps some
         shares = [shape.width] * len(feed) if greedy else _shares(above, top, room)
-        for i, count in enumerate(shares):
+        for i, share in enumerate(shares):
+            if not share:
+                continue
             if greedy:
                 picked = zip(best[i], top[i], strict=True)
                 made = [(int(t), None, above[i] * float(p)) for t, p in picked if p > 0]
-            elif count:
-                made = _without_replacement(rows[i], count, extra, above[i])
             else:
-                continue
+                made = _without_replacement(rows[i], share, extra, above[i])
             for token, q, path_value in made:
                 level.append(len(tokens))
                 tokens.append(token)

@@ -15,7 +15,6 @@
 // in time order in the other).
 #include "attention.h"
 
-#include <vector>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -24,6 +23,7 @@
 #include <memory>
 #include <stdexcept>
 #include <utility>
+#include <vector>
 
 #include "kernels.h"
 #include "scratch.h"
