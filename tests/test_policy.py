@@ -265,6 +265,17 @@ def test_drafting_goes_on_through_a_forecast_near_even_but_does_not_start_on_one
     assert going_on.predicted_tps == pytest.approx(s.tps(s.rate(best)))
 
 
+def test_prompt_lookup_stops_as_soon_as_its_forecast_falls_short_of_the_margin():
+    # Nothing to catch up on: lookup keeps no hysteresis, where the draft model goes on.
+    # Each α puts its drafter's best forecast just below even: (1 + 0.26) / T(2) = 0.98.
+    for free, alpha, goes_on in ((False, 0.83, True), (True, 0.26, False)):
+        s = warmed(**THIS_CPU, alpha=alpha, free=free)
+        best = max(range(1, 9), key=s.rate)
+        assert 1 / MARGIN < s.rate(best) / s.rate(0) < 1
+        s.drafting = 1
+        assert (s.choose().gamma > 0) == goes_on
+
+
 def first_look(s, rounds=300):
     """Rounds of plain decoding before the scheduler drafts again (rounds if never)."""
     return next((i for i in range(rounds) if s.choose().gamma > 0), rounds)

@@ -174,8 +174,12 @@ class Scheduler:
         # Hysteresis: starting to draft needs the forecast to win by the margin, stopping
         # needs it to lose by as much. A draft model that stops falls behind, and bringing
         # it back costs a pass over every token it missed; going on while the forecast is
-        # near even keeps learning this text's α at a small cost.
-        need = 1 / MARGIN if self.drafting > 0 else MARGIN
+        # near even keeps learning this text's α at a small cost. Prompt lookup has nothing
+        # to catch up on and learns its α only where it has a match: it drafts only where
+        # its forecast wins by the margin (going on below even, a summary of a long prompt
+        # kept 1-draft lookup rounds at α 0.2 that cost 1.16 T(1) each).
+        hysteresis = self.drafting > 0 and not self.free_drafts
+        need = 1 / MARGIN if hysteresis else MARGIN
         # This text's α, not only a guess: drafts seen, or the target's confidence in it.
         known = self.free_drafts or self.acceptance.seen
         missed = self.rounds_since_probe if behind is None else behind
