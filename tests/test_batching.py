@@ -345,14 +345,22 @@ def test_a_batch_row_attends_exactly_as_its_own_pass(pair):
     target, _ = pair
     prompts = [[3, 9, 27, 81], [5, 6, 7]]
     news = [mx.array([11], mx.uint32), mx.array([12, 13, 14], mx.uint32)]
-    own, rows = [], []
+    own, together_logits, _, _ = own_and_batched(target, prompts, news)
+    for a, b in zip(own, together_logits, strict=True):
+        assert np.array_equal(np.array(a), np.array(b))
+
+
+def own_and_batched(target, prompts, news):
+    """Each row's own pass after its prompt, and the batched pass over all rows (each row
+    on a cache of its own holding its prompt): (own logits, batched logits, own caches,
+    batched caches)."""
+    own, rows, caches = [], [], []
     for p, x in zip(prompts, news, strict=True):
         cache = make_cache(target.module)
         target.module(mx.array([p]), cache=cache)
         own.append(target.module(x[None], cache=cache)[0])
+        caches.append(cache)
         cache = make_cache(target.module)
         target.module(mx.array([p]), cache=cache)
         rows.append((cache, x))
-    together_logits = batching.batched_pass(target, rows)
-    for a, b in zip(own, together_logits, strict=True):
-        assert np.array_equal(np.array(a), np.array(b))
+    return own, batching.batched_pass(target, rows), caches, [c for c, _ in rows]

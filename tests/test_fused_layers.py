@@ -13,6 +13,7 @@ from cache_util import (
 from mlx_lm.models.cache import KVCache
 
 import specmlx
+from specmlx import batch as batching
 from specmlx.caches import make_cache
 from specmlx.convert.quantize import quantize
 from specmlx.cpu import attention, blocks, native
@@ -169,3 +170,44 @@ def test_the_op_refuses_a_cache_without_room(int4_models):
             parts.norms[1]["weight"], 1e-6, w[4] + w[5], w[6], c.keys, c.values, 32, 4, "silu",
             attn.n_heads, c.keys.shape[2], attn.rope.dims, False, 10000.0, 1.0, attn.scale, False,
         )  # fmt: skip
+
+
+@pytest.mark.skipif(not blocks.rows_available(), reason="the rows op is not in this build")
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("prompt_lengths", [(4, 3), (4, 254)], ids=["room", "a-cache-full"])
+def test_a_batched_pass_is_one_op_a_layer_with_each_rows_own_bits(
+    arch, prompt_lengths, int4_models, isas, monkeypatch
+):
+    """Rows of 1 and 3 new tokens, each on its own cache (specmlx.batch): the layer runs
+    as one op over both, and each row's logits and cache are its own pass's, bit for bit.
+    A row whose cache has no room for its tokens (254 + 3 past a 256-slot step) sends the
+    layer down its own path."""
+    model = int4_models[arch]
+    calls = []
+    real = native._ext.decoder_layer_rows
+    monkeypatch.setattr(native._ext, "decoder_layer_rows", lambda *a: calls.append(1) or real(*a))
+    prompts = [[(7 * i + j) % 50 + 3 for j in range(n)] for i, n in enumerate(prompt_lengths)]
+    news = [[11], [12, 13, 14]]
+    for isa in isas:
+        native._ext.set_isa(isa)
+        calls.clear()
+        own, rows = [], []
+        for prompt, new in zip(prompts, news, strict=True):
+            caches = []
+            for _ in range(2):
+                cache = make_cache(model.module)
+                mx.eval(model.module(mx.array([prompt]), cache=cache))
+                caches.append(cache)
+            logits = model.module(mx.array([new]), cache=caches[0])[0]
+            own.append((logits, caches[0]))
+            rows.append((caches[1], mx.array(new, mx.uint32)))
+        together = batching.batched_pass(model, rows)
+        for (logits, cache), got, (row_cache, _) in zip(own, together, rows, strict=True):
+            assert np.array_equal(np.array(logits), np.array(got)), isa
+            for mine, theirs in zip(cache, row_cache, strict=True):
+                n = mine.offset
+                assert theirs.offset == n
+                for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+                    assert np.array_equal(np.array(a[..., :n, :]), np.array(b[..., :n, :]))
+        layers = len(model.module.model.layers)
+        assert len(calls) == (layers if prompt_lengths == (4, 3) else 0), isa

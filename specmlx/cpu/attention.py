@@ -309,14 +309,28 @@ def cache_room(
     attention with CACHED_BODY, else None: not native mode or the CPU, a cache other than
     a plain KVCache with room for L more positions, an array mask, a scaled RoPE, or shapes
     and types it does not have."""
+    if x.dtype != mx.float32 or x.ndim != 3:
+        return None
+    return room_for(attn, x.shape[0], x.shape[1], mask, cache)
+
+
+def room_for(
+    attn: nn.Module,
+    b: int,
+    length: int,
+    mask: mx.array | str | None,
+    cache: object,
+    rope: nn.Module | None = None,
+) -> tuple[mx.array, mx.array] | None:
+    """cache_room for a float32 x of b rows of `length` new tokens each; `rope`: the
+    attention's own RoPE where another stands in for it (a batched pass's, batch.py)."""
     if mode() != "native" or type(cache) is not KVCache or mx.default_device() != mx.cpu:
         return None
     if not (mask is None or (isinstance(mask, str) and mask == "causal")):
         return None
     keys, values = cache.keys, cache.values
-    if keys is None or type(attn.rope) is not NativeRoPE or x.dtype != mx.float32 or x.ndim != 3:
+    if keys is None or type(attn.rope if rope is None else rope) is not NativeRoPE:
         return None
-    b, length, _ = x.shape
     _, hkv, size, d = keys.shape
     if (
         cache.offset + length > size

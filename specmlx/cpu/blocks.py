@@ -52,6 +52,11 @@ def available() -> bool:
     return native.op("decoder_layer") is not None
 
 
+def rows_available() -> bool:
+    """Whether the native extension runs a batched pass's layer as one op too."""
+    return native.op("decoder_layer_rows") is not None
+
+
 def describe() -> str:
     """Whether decoder layers run as one op, for the kernel line of stats and benchmarks."""
     return "decoder layers as one op" if _enabled and available() else "decoder layers op by op"
@@ -100,6 +105,8 @@ class _Parts:
 
 def _fused_call(block: nn.Module, x: mx.array, mask: object, cache: object) -> mx.array | None:
     """BLOCK_BODY's result through the fused op, or None where it does not take the call."""
+    if isinstance(getattr(cache, "rows", None), list):  # a batched pass (batch.RowsCache)
+        return _fused_rows_call(block, x, cache)
     parts = block._fused_parts
     room = attention.cache_room(parts.attn, x, mask, cache) if _enabled else None
     if room is None:
@@ -110,7 +117,7 @@ def _fused_call(block: nn.Module, x: mx.array, mask: object, cache: object) -> m
     q = layers[0]
     if norm_in["weight"].dtype != mx.float32 or norm_post["weight"].dtype != mx.float32:
         return None
-    w = [[layer["weight"], layer["scales"], layer["biases"]] for layer in layers]
+    w = _weights(parts)
     rope = attn.rope
     reuse = attention.reusable(keys, values)
     out, cache.keys, cache.values = native._ext.decoder_layer(
@@ -141,6 +148,69 @@ def _fused_call(block: nn.Module, x: mx.array, mask: object, cache: object) -> m
         packed_of(layers),
     )
     cache.offset += x.shape[1]
+    return out
+
+
+def _weights(parts: _Parts) -> list[list[mx.array]]:
+    return [[layer["weight"], layer["scales"], layer["biases"]] for layer in parts.layers]
+
+
+def _fused_rows_call(block: nn.Module, x: mx.array, rows: object) -> mx.array | None:
+    """A batched pass's layer (batch.RowsCache: row r of x is sequence r's, its first
+    lengths[r] tokens new, on its own cache) as one op, each row's bits those of its own
+    pass; None where the op does not take every row (a cache without room for its tokens
+    grows on the layer's own path)."""
+    parts = block._fused_parts
+    if not (_enabled and rows_available()) or x.dtype != mx.float32:
+        return None
+    attn, layers, (norm_in, norm_post) = parts.attn, parts.layers, parts.norms
+    if norm_in["weight"].dtype != mx.float32 or norm_post["weight"].dtype != mx.float32:
+        return None
+    lengths = rows.shared.lengths
+    rope = getattr(attn.rope, "inner", attn.rope)  # the pass runs RoPEs row by row elsewhere
+    k_caches, v_caches, reuse = [], [], []
+    for cache, m in zip(rows.rows, lengths, strict=True):
+        room = attention.room_for(attn, 1, m, None if m == 1 else "causal", cache, rope)
+        if room is None:
+            return None
+        keys, values = room
+        del room
+        reuse.append(attention.reusable(keys, values))
+        k_caches.append(keys)
+        v_caches.append(values)
+    del keys, values
+    q, w = layers[0], _weights(parts)
+    out, k_new, v_new = native._ext.decoder_layer_rows(
+        x,
+        norm_in["weight"],
+        norm_in.eps,
+        w[0] + w[1] + w[2],
+        [layer["bias"] for layer in layers[:3]] if parts.biased else [],
+        w[3],
+        norm_post["weight"],
+        norm_post.eps,
+        w[4] + w[5],
+        w[6],
+        k_caches,
+        v_caches,
+        q.group_size,
+        q.bits,
+        parts.activation,
+        attn.n_heads,
+        [cache.offset for cache in rows.rows],
+        lengths,
+        rope.dims,
+        rope.traditional,
+        rope.base,
+        rope.scale,
+        attn.scale,
+        [int(m > 1) for m in lengths],
+        [int(r) for r in reuse],
+        packed_of(layers),
+    )
+    for cache, keys, values, m in zip(rows.rows, k_new, v_new, lengths, strict=True):
+        cache.keys, cache.values = keys, values
+        cache.offset += m
     return out
 
 

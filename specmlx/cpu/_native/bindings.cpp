@@ -228,6 +228,72 @@ NB_MODULE(_ext, m) {
       "then h + down(act(gate(m)) * up(m)) with m = rms_norm(h)) as one op. Returns (out, "
       "k_cache, v_cache), each bit as the chain of the layer's native ops.");
   m.def(
+      "decoder_layer_rows",
+      [](const specmlx::mx::array& x,
+         const specmlx::mx::array& norm_in,
+         float eps_in,
+         const std::vector<specmlx::mx::array>& qkv,
+         const std::vector<specmlx::mx::array>& qkv_bias,
+         const std::vector<specmlx::mx::array>& o,
+         const specmlx::mx::array& norm_post,
+         float eps_post,
+         const std::vector<specmlx::mx::array>& gate_up,
+         const std::vector<specmlx::mx::array>& down,
+         const std::vector<specmlx::mx::array>& k_caches,
+         const std::vector<specmlx::mx::array>& v_caches,
+         int group_size,
+         int bits,
+         const std::string& activation,
+         int n_heads,
+         const std::vector<int>& offsets,
+         const std::vector<int>& lengths,
+         int rope_dims,
+         bool rope_traditional,
+         float rope_base,
+         float rope_scale,
+         float scale,
+         const std::vector<int>& causal,
+         const std::vector<int>& reuse,
+         const std::vector<specmlx::mx::array>& packed) {
+        auto outs = specmlx::decoder_layer_rows(
+            x, norm_in, eps_in, qkv, qkv_bias, o, norm_post, eps_post, gate_up, down, k_caches, v_caches, group_size,
+            bits, activation, n_heads, offsets, lengths, rope_dims, rope_traditional, rope_base, rope_scale, scale,
+            causal, reuse, packed);
+        const size_t C = k_caches.size();
+        std::vector<specmlx::mx::array> ks(outs.begin() + 1, outs.begin() + 1 + C), vs(outs.begin() + 1 + C, outs.end());
+        return std::make_tuple(outs[0], ks, vs);
+      },
+      "x"_a,
+      "norm_in"_a,
+      "eps_in"_a,
+      "qkv"_a,
+      "qkv_bias"_a,
+      "o"_a,
+      "norm_post"_a,
+      "eps_post"_a,
+      "gate_up"_a,
+      "down"_a,
+      "k_caches"_a,
+      "v_caches"_a,
+      "group_size"_a,
+      "bits"_a,
+      "activation"_a,
+      "n_heads"_a,
+      "offsets"_a,
+      "lengths"_a,
+      "rope_dims"_a,
+      "rope_traditional"_a,
+      "rope_base"_a,
+      "rope_scale"_a,
+      "scale"_a,
+      "causal"_a,
+      "reuse"_a,
+      "packed"_a = std::vector<specmlx::mx::array>{},
+      "decoder_layer's step for R sequences at once, each on its own (1, Hkv, S, D) cache: x "
+      "(R, W, hidden) holds row r's lengths[r] new tokens first (the rest is padding, whose "
+      "output rows are zeros); each row's bits are those of decoder_layer over that row alone. "
+      "Returns (out, [k_cache per row], [v_cache per row]).");
+  m.def(
       "cached_attention",
       [](const specmlx::mx::array& q,
          const specmlx::mx::array& k,

@@ -24,8 +24,9 @@ namespace specmlx {
 namespace {
 
 // Indices of DecoderLayer's inputs.
+// The caches start at kCaches: C k caches, then C v caches; the biases follow them.
 constexpr int kX = 0, kNormIn = 1, kNormPost = 2, kQ = 3, kK = 6, kV = 9, kO = 12, kGate = 15, kUp = 18,
-              kDown = 21, kKCache = 24, kVCache = 25, kBias = 26;
+              kDown = 21, kCaches = 24;
 
 // Matrix (w, scales, biases) at input i, and its packed layout at input p (p < 0: none).
 MatmulWeights weights_at(const std::vector<mx::array>& in, int i, int p) {
@@ -65,16 +66,16 @@ void check_matrix(const mx::array* t, int N, int K, int group_size, int bits) {
 
 void DecoderLayer::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   const auto& x = inputs[kX];
-  auto &out = outputs[0], &k_out = outputs[1], &v_out = outputs[2];
+  auto& out = outputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
-  const bool copy_k = take_cache_buffer(inputs[kKCache], k_out, s_.reuse);
-  const bool copy_v = take_cache_buffer(inputs[kVCache], v_out, s_.reuse);
-  std::optional<mx::array> k_from, v_from;  // held by the task only where it copies them
-  if (copy_k) {
-    k_from = inputs[kKCache];
-  }
-  if (copy_v) {
-    v_from = inputs[kVCache];
+  const int C = int(s_.offsets.size());
+  // A cache the task copies from is held by the task; one taken in place is not (a
+  // reference would keep the next step from taking its buffer while this task waits).
+  std::vector<std::optional<mx::array>> from(2 * C);
+  for (int c = 0; c < 2 * C; ++c) {
+    if (take_cache_buffer(inputs[kCaches + c], outputs[1 + c], s_.reuse[c % C])) {
+      from[c] = inputs[kCaches + c];
+    }
   }
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& in : inputs) {
@@ -83,7 +84,7 @@ void DecoderLayer::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx
   for (auto& o : outputs) {
     encoder.set_output_array(o);
   }
-  const auto& kc = inputs[kKCache];
+  const auto& kc = inputs[kCaches];
   const int B = x.shape(0), L = x.shape(1), hidden = x.shape(2), M = B * L;
   const int Hkv = kc.shape(1), D = kc.shape(3), Hq = s_.n_heads;
   const int kv = Hkv * D, qd = Hq * D, I = inputs[kGate].shape(0);
@@ -92,6 +93,7 @@ void DecoderLayer::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx
   const auto type_at = [&](int i) { return scale_type(inputs[i + 1].dtype()); };
   const float* norm_in = inputs[kNormIn].data<float>();
   const float* norm_post = inputs[kNormPost].data<float>();
+  const int kBias = kCaches + 2 * C;
   // The packed matrices follow the biases, in the order of the triples: matrix m at kPacked + m.
   const int kPacked = kBias + (s_.biased ? 3 : 0);
   const auto packed_at = [&](int i) { return s_.packed ? kPacked + (i - kQ) / 3 : -1; };
@@ -104,20 +106,26 @@ void DecoderLayer::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx
   const MatmulWeights o = weights_at(inputs, kO, packed_at(kO)), gate = weights_at(inputs, kGate, packed_at(kGate)),
                       up = weights_at(inputs, kUp, packed_at(kUp)), down = weights_at(inputs, kDown, packed_at(kDown));
   const ScaleType t_qkv = type_at(kQ), t_o = type_at(kO), t_gate = type_at(kGate), t_down = type_at(kDown);
-  CachedJob attn{nullptr, nullptr, nullptr, k_out.data<float>(), v_out.data<float>(), nullptr,
-                 B, L, Hq, Hkv, kc.shape(2), D, s_.offset,
-                 s_.rope_dims, s_.rope_traditional, s_.rope_base, s_.rope_scale, s_.scale, s_.causal};
+  // One attention job per cache: over the whole batch of x (one cache), or over row c's
+  // first lengths[c] positions (a cache per row); the q, k, v and output pointers are set
+  // in the task, from the row its job starts at.
+  std::vector<CachedJob> jobs;
+  for (int c = 0; c < C; ++c) {
+    const auto& cache = inputs[kCaches + c];
+    jobs.push_back({nullptr, nullptr, nullptr, outputs[1 + c].data<float>(), outputs[1 + C + c].data<float>(),
+                    nullptr, C == 1 ? B : 1, s_.lengths[c], Hq, Hkv, cache.shape(2), D, s_.offsets[c],
+                    s_.rope_dims, s_.rope_traditional, s_.rope_base, s_.rope_scale, s_.scale, bool(s_.causal[c])});
+  }
   float* out_p = out.data<float>();
   const float eps_in = s_.eps_in, eps_post = s_.eps_post;
   encoder.dispatch([=]() mutable {
     thread_local std::vector<float> x_copy;
     thread_local std::unique_ptr<float[]> buf;
     thread_local size_t cap = 0;
-    if (k_from) {
-      copy_cache(*k_from, attn.k_cache);
-    }
-    if (v_from) {
-      copy_cache(*v_from, attn.v_cache);
+    for (int c = 0; c < 2 * C; ++c) {
+      if (from[c]) {
+        copy_cache(*from[c], c < C ? jobs[c].k_cache : jobs[c - C].v_cache);
+      }
     }
     const float* xs = row_major(x, x_copy);
     // n and m share a buffer (n is dead once q, k and v are made), as do the attention's
@@ -132,8 +140,15 @@ void DecoderLayer::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx
     rms_norm_rows(xs, norm_in, n, rows, hidden, eps_in);
     qkv[0].out = q, qkv[1].out = k, qkv[2].out = v;
     run_stacked(matmul_call(n, {}, {}, act, t_qkv, nullptr, M, 0, hidden, gs, bits), qkv);
-    attn.q = q, attn.k = k, attn.v = v, attn.out = a;
-    cached_attention_rows(attn);
+    for (int c = 0; c < C; ++c) {
+      const size_t first = C == 1 ? 0 : size_t(c) * L;  // the job's first row of x
+      auto& job = jobs[c];
+      job.q = q + first * qd, job.k = k + first * kv, job.v = v + first * kv, job.out = a + first * qd;
+      cached_attention_rows(job);
+      if (C > 1 && job.L < L) {  // padding: no row of any cache; its output is zeros
+        std::fill(a + (first + job.L) * qd, a + (first + L) * qd, 0.0f);
+      }
+    }
     run_matmul(matmul_call(a, o, {}, act, t_o, h, M, hidden, qd, gs, bits));
     add_rows(xs, h, h, rows * hidden);
     rms_norm_rows(h, norm_post, n, rows, hidden, eps_post);
@@ -147,7 +162,11 @@ void DecoderLayer::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array
   throw std::runtime_error("[specmlx] the native decoder layer has no GPU kernel");
 }
 
-std::vector<mx::array> decoder_layer(
+namespace {
+
+// Checks the inputs and builds the op: decoder_layer's (one cache) and decoder_layer_rows'
+// (a cache per row of x).
+std::vector<mx::array> make_layer(
     const mx::array& x,
     const mx::array& norm_in,
     float eps_in,
@@ -158,20 +177,13 @@ std::vector<mx::array> decoder_layer(
     float eps_post,
     const std::vector<mx::array>& gate_up,
     const std::vector<mx::array>& down,
-    const mx::array& k_cache,
-    const mx::array& v_cache,
+    const std::vector<mx::array>& k_caches,
+    const std::vector<mx::array>& v_caches,
     int group_size,
     int bits,
     const std::string& activation,
     int n_heads,
-    int offset,
-    int rope_dims,
-    bool rope_traditional,
-    float rope_base,
-    float rope_scale,
-    float scale,
-    bool causal,
-    bool reuse,
+    DecoderLayer::Settings settings,
     const std::vector<mx::array>& packed,
     mx::StreamOrDevice s) {
   const auto stream = mx::to_stream(s);
@@ -182,17 +194,32 @@ std::vector<mx::array> decoder_layer(
   check(group_size == 32 || group_size == 64 || group_size == 128, "group_size must be 32, 64 or 128");
   check(bits == 4 || bits == 8, "bits must be 4 or 8");
   check(activation == "silu" || activation == "gelu_approx", "the activation is silu or gelu_approx");
-  for (const auto* a : {&x, &norm_in, &norm_post, &k_cache, &v_cache}) {
+  for (const auto* a : {&x, &norm_in, &norm_post}) {
     check(a->dtype() == mx::float32, "x, the norms' weights and the caches must be float32");
   }
-  check(x.ndim() == 3 && k_cache.ndim() == 4 && v_cache.shape() == k_cache.shape(),
-        "takes x (B, L, hidden) and caches (B, Hkv, S, D) of one shape");
+  check(x.ndim() == 3, "takes x (B, L, hidden)");
   const int B = x.shape(0), L = x.shape(1), hidden = x.shape(2);
-  const int Hkv = k_cache.shape(1), S = k_cache.shape(2), D = k_cache.shape(3);
+  const size_t C = k_caches.size();
+  check(C > 0 && v_caches.size() == C && settings.offsets.size() == C && settings.lengths.size() == C &&
+            settings.causal.size() == C && settings.reuse.size() == C,
+        "takes a k cache, a v cache, an offset, a length, a mask and a reuse flag per cache");
+  check(C == 1 || int(C) == B, "takes one cache, or one per row of x");
+  const int Hkv = k_caches[0].ndim() == 4 ? k_caches[0].shape(1) : 0;
+  const int D = k_caches[0].ndim() == 4 ? k_caches[0].shape(3) : 0;
+  for (size_t c = 0; c < C; ++c) {
+    const auto &kc = k_caches[c], &vc = v_caches[c];
+    check(kc.dtype() == mx::float32 && vc.dtype() == mx::float32, "x, the norms' weights and the caches must be float32");
+    check(kc.ndim() == 4 && vc.shape() == kc.shape(), "takes caches (B, Hkv, S, D), k and v of one shape");
+    check(kc.shape(0) == (C == 1 ? B : 1) && kc.shape(1) == Hkv && kc.shape(3) == D,
+          "the caches do not agree with x or with each other");
+    const int offset = settings.offsets[c], length = settings.lengths[c];
+    check(length > 0 && length <= L && (C > 1 || length == L), "a row's length must be in 1 .. L");
+    check(offset >= 0 && int64_t(offset) + length <= kc.shape(2), "needs room for the new positions in the cache");
+  }
   check(norm_in.shape() == mx::Shape{hidden} && norm_post.shape() == mx::Shape{hidden}, "a norm's weight must be (hidden,)");
-  check(n_heads > 0 && Hkv > 0 && n_heads % Hkv == 0 && k_cache.shape(0) == B, "the heads and caches do not agree");
+  check(n_heads > 0 && Hkv > 0 && n_heads % Hkv == 0, "the heads and caches do not agree");
   check(D > 0 && D % kHeadDimStep == 0 && D <= kMaxHeadDim, "takes head sizes that are multiples of 16 up to 512");
-  check(L > 0 && offset >= 0 && int64_t(offset) + L <= S, "needs room for the new positions in the cache");
+  const int rope_dims = settings.rope_dims;
   check(rope_dims > 0 && rope_dims % 2 == 0 && rope_dims <= D, "rope dims must be even, positive and at most D");
   check(hidden % group_size == 0, "hidden must be a multiple of the group size");
   const int I = gate_up[0].shape(0);
@@ -223,23 +250,107 @@ std::vector<mx::array> decoder_layer(
       inputs.push_back(row_contiguous(a, stream));
     }
   }
-  inputs.push_back(k_cache);
-  inputs.push_back(v_cache);
+  std::vector<mx::Shape> shapes{x.shape()};
+  for (const auto* caches : {&k_caches, &v_caches}) {
+    for (const auto& a : *caches) {
+      inputs.push_back(a);
+      shapes.push_back(a.shape());
+    }
+  }
   for (const auto& a : qkv_bias) {
     inputs.push_back(row_contiguous(a, stream));
   }
   for (const auto& a : packed) {
     inputs.push_back(row_contiguous(a, stream));
   }
-  const DecoderLayer::Settings settings{
-      eps_in, eps_post, group_size, bits, int(activation == "silu" ? GateAct::silu : GateAct::gelu_approx), n_heads,
-      offset, rope_dims, rope_traditional, rope_base, rope_scale, scale, causal, reuse, !qkv_bias.empty(),
-      !packed.empty()};
+  settings.eps_in = eps_in, settings.eps_post = eps_post;
+  settings.group_size = group_size, settings.bits = bits;
+  settings.act = int(activation == "silu" ? GateAct::silu : GateAct::gelu_approx);
+  settings.n_heads = n_heads;
+  settings.biased = !qkv_bias.empty(), settings.packed = !packed.empty();
   return mx::array::make_arrays(
-      {x.shape(), k_cache.shape(), v_cache.shape()},
-      {mx::float32, mx::float32, mx::float32},
-      std::make_shared<DecoderLayer>(stream, settings),
+      std::move(shapes),
+      std::vector<mx::Dtype>(1 + 2 * C, mx::float32),
+      std::make_shared<DecoderLayer>(stream, std::move(settings)),
       std::move(inputs));
+}
+
+DecoderLayer::Settings rope_settings(int rope_dims, bool rope_traditional, float rope_base, float rope_scale,
+                                     float scale) {
+  DecoderLayer::Settings settings{};
+  settings.rope_dims = rope_dims, settings.rope_traditional = rope_traditional;
+  settings.rope_base = rope_base, settings.rope_scale = rope_scale, settings.scale = scale;
+  return settings;
+}
+
+} // namespace
+
+std::vector<mx::array> decoder_layer(
+    const mx::array& x,
+    const mx::array& norm_in,
+    float eps_in,
+    const std::vector<mx::array>& qkv,
+    const std::vector<mx::array>& qkv_bias,
+    const std::vector<mx::array>& o,
+    const mx::array& norm_post,
+    float eps_post,
+    const std::vector<mx::array>& gate_up,
+    const std::vector<mx::array>& down,
+    const mx::array& k_cache,
+    const mx::array& v_cache,
+    int group_size,
+    int bits,
+    const std::string& activation,
+    int n_heads,
+    int offset,
+    int rope_dims,
+    bool rope_traditional,
+    float rope_base,
+    float rope_scale,
+    float scale,
+    bool causal,
+    bool reuse,
+    const std::vector<mx::array>& packed,
+    mx::StreamOrDevice s) {
+  auto settings = rope_settings(rope_dims, rope_traditional, rope_base, rope_scale, scale);
+  settings.offsets = {offset}, settings.lengths = {x.ndim() == 3 ? x.shape(1) : 0};
+  settings.causal = {causal}, settings.reuse = {reuse};
+  return make_layer(x, norm_in, eps_in, qkv, qkv_bias, o, norm_post, eps_post, gate_up, down, {k_cache}, {v_cache},
+                    group_size, bits, activation, n_heads, std::move(settings), packed, s);
+}
+
+std::vector<mx::array> decoder_layer_rows(
+    const mx::array& x,
+    const mx::array& norm_in,
+    float eps_in,
+    const std::vector<mx::array>& qkv,
+    const std::vector<mx::array>& qkv_bias,
+    const std::vector<mx::array>& o,
+    const mx::array& norm_post,
+    float eps_post,
+    const std::vector<mx::array>& gate_up,
+    const std::vector<mx::array>& down,
+    const std::vector<mx::array>& k_caches,
+    const std::vector<mx::array>& v_caches,
+    int group_size,
+    int bits,
+    const std::string& activation,
+    int n_heads,
+    const std::vector<int>& offsets,
+    const std::vector<int>& lengths,
+    int rope_dims,
+    bool rope_traditional,
+    float rope_base,
+    float rope_scale,
+    float scale,
+    const std::vector<int>& causal,
+    const std::vector<int>& reuse,
+    const std::vector<mx::array>& packed,
+    mx::StreamOrDevice s) {
+  auto settings = rope_settings(rope_dims, rope_traditional, rope_base, rope_scale, scale);
+  settings.offsets = offsets, settings.lengths = lengths, settings.causal = causal, settings.reuse = reuse;
+  return make_layer(x, norm_in, eps_in, qkv, qkv_bias, o, norm_post, eps_post, gate_up, down, k_caches, v_caches,
+                    group_size, bits, activation, n_heads, std::move(settings), packed, s);
 }
 
 } // namespace specmlx
