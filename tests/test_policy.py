@@ -797,6 +797,20 @@ def test_a_steep_cost_curve_keeps_chains(free):
     assert choice.gamma > 0 and choice.tree is None
 
 
+def test_a_draft_behind_more_than_the_rest_of_the_call_is_worth_prices_no_tree(monkeypatch):
+    # On the flat curve a tree wins where the draft is in step; taking 3000 missed tokens
+    # (a long prompt it never took: 15 T(1) at a draft pass of 0.1 T(1)) costs more than
+    # the 10 plain steps left, so no proposal can pay there.
+    priced = []
+    real = Scheduler.best_tree
+    monkeypatch.setattr(Scheduler, "best_tree", lambda self: priced.append(1) or real(self))
+    s = allowing_trees(lambda k: 1 + 0.05 * (k - 1), 0.1, 0.7)
+    assert s.choose(remaining=10, behind=0).tree is not None and priced
+    priced.clear()
+    s = allowing_trees(lambda k: 1 + 0.05 * (k - 1), 0.1, 0.7)
+    assert s.choose(remaining=10, behind=3000).gamma == 0 and not priced
+
+
 def test_a_call_that_allows_no_trees_drafts_chains_on_a_flat_curve():
     choice = allowing_trees(FLAT, 0.1, 0.7, nodes=0).choose()
     assert choice.gamma > 0 and choice.tree is None

@@ -168,8 +168,11 @@ class Scheduler:
         rates = {g: self.rate(g) or 0.0 for g in range(self.max_gamma + 1)}
         plain = Choice(0, predicted_tps=self.tps(rates[0]))
         best = max(range(1, self.max_gamma + 1), key=rates.get)
-        shape, tree_rate = self.best_tree()
-        tree = shape if tree_rate > rates[best] else None
+        missed = self.rounds_since_probe if behind is None else behind
+        tree = None
+        if not self.behind_for_good(missed, remaining, rates[0]):
+            shape, tree_rate = self.best_tree()
+            tree = shape if tree_rate > rates[best] else None
         best, best_rate = (tree.nodes, tree_rate) if tree else (best, rates[best])
         # Hysteresis: starting to draft needs the forecast to win by the margin, stopping
         # needs it to lose by as much. A draft model that stops falls behind, and bringing
@@ -182,7 +185,6 @@ class Scheduler:
         need = 1 / MARGIN if hysteresis else MARGIN
         # This text's α, not only a guess: drafts seen, or the target's confidence in it.
         known = self.free_drafts or self.acceptance.seen
-        missed = self.rounds_since_probe if behind is None else behind
         if known and self.pays(rates[0], best_rate, need, remaining, missed):
             self.rounds_since_probe = 0
             if not self.free_drafts:
@@ -272,6 +274,13 @@ class Scheduler:
             return False
         catch_up = self.catch_up(behind)  # a known cost: no margin
         return remaining is None or remaining / best + catch_up <= remaining / plain
+
+    def behind_for_good(self, backlog: int, remaining: int | None, plain: float) -> bool:
+        """Whether taking `backlog` missed tokens alone would cost the draft more than
+        decoding the rest of the call plain: then no proposal of any shape can pay (pays()
+        says no to all), and pricing trees, every round between two passes, is skipped (a
+        draft that has not taken a long prompt is there for the whole reply)."""
+        return remaining is not None and self.catch_up(backlog) >= remaining / plain
 
     def catch_up(self, backlog: int) -> float:
         """The draft's extra cost, in T(1)s, of taking `backlog` missed tokens with its
