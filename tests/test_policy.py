@@ -811,6 +811,34 @@ def test_a_draft_behind_more_than_the_rest_of_the_call_is_worth_prices_no_tree(m
     assert s.choose(remaining=10, behind=3000).gamma == 0 and not priced
 
 
+def test_a_draft_behind_for_the_rest_of_the_call_is_neither_priced_nor_forecast(monkeypatch):
+    # 3000 tokens to catch up at 0.45 T(1) a pass cost more than the 64 plain steps left;
+    # the next round, with one more missed and one fewer left, is no better.
+    from specmlx.policy import AutoGamma
+    from specmlx.policy.round import Plan, RoundSummary
+
+    model = Scheduler(measured(THIS_CPU["curve"], THIS_CPU["draft_ratio"]), 8)
+    model.acceptance = Acceptance(0.95 * 40, 40.0, seen=True)
+    draft = SimpleNamespace(name="model", behind=3000)
+    auto = AutoGamma([draft], {"model": model}, False)
+    model.opening = False
+    rates = []
+    monkeypatch.setattr(Scheduler, "rate", lambda self, *a, **k: rates.append(1) or 1.0)
+    read = []
+    for remaining in (64, 63):
+        assert auto.plan(remaining=remaining).gamma == 0
+        # the forecast's read is of the first judged row (k = 1); a plain round judges none
+        tops = lambda k: (read.append(k) if k else None) or [0.99] * k  # noqa: E731
+        auto.observe(RoundSummary(Plan(None, 0), "plain", 0, 0, 0, 0.0, 0.02, target_tops=tops))
+        auto.while_running()
+        draft.behind += 1
+    assert model.out_for_call and not read
+    # a round: the probe-length check and hopeless()'s 8 perfect rates; no γ's forecast
+    assert len(rates) <= 2 * (1 + 8)
+    model.start_call()
+    assert not model.out_for_call
+
+
 def test_a_call_that_allows_no_trees_drafts_chains_on_a_flat_curve():
     choice = allowing_trees(FLAT, 0.1, 0.7, nodes=0).choose()
     assert choice.gamma > 0 and choice.tree is None

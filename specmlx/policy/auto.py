@@ -113,9 +113,13 @@ class AutoGamma:
         plan sees a forecast one round older (bench/results/ARCHIVE.md, 'schedule_sim.py')."""
         if self.unread is not None:
             r, self.unread = self.unread, None
-            top = r.target_tops(1)[0]
-            for scheduler in self.forecast:
-                scheduler.observe_confidence(top)
+            # A draft behind for the rest of the call needs no forecast: the read over the
+            # vocabulary, on the host while the next pass runs, costs that pass a core.
+            readers = [s for s in self.forecast if not s.out_for_call]
+            if readers:
+                top = r.target_tops(1)[0]
+                for scheduler in readers:
+                    scheduler.observe_confidence(top)
 
     def _passes(self, r: RoundSummary, g: int) -> float | None:
         """How many one-token draft passes a round's draft time stands for, or None when it

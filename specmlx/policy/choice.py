@@ -109,6 +109,9 @@ class Scheduler:
     # close draft is unsure the same way); a weak draft would pass less often.
     sampling: str = "greedy"
     trees: int = 0  # the most nodes of a tree this call may draft (0: chains only)
+    # The draft is behind for the rest of this call (behind_for_good): its rounds are plain
+    # but for cost probes, and nothing is priced or forecast for it until the next call.
+    out_for_call: bool = False
 
     def start_call(self, sampled: bool = False, trees: int = 0) -> None:
         """A new generate() call: a new text, whose acceptance is learnt afresh (a question
@@ -120,6 +123,7 @@ class Scheduler:
         self.acceptance = Acceptance(PRIOR_ALPHA * weight, weight, calibration=self.calibration)
         self.opening = not self.free_drafts
         self.rounds_since_probe = 0
+        self.out_for_call = False
 
     @property
     def draft_ratio(self) -> float | None:
@@ -165,14 +169,20 @@ class Scheduler:
             # on a long prompt would cost more than the measurement learns.
             known = not self.free_drafts and self.draft_ratio is not None
             return Choice(first, cost_probe=known)
+        missed = self.rounds_since_probe if behind is None else behind
+        if self.out_for_call or self.behind_for_good(missed, remaining, 1.0):
+            # Its backlog only grows and the tokens left only shrink: it stays behind. Only
+            # a cost probe (free guesses, no catch-up) can still run; the costs outlive the
+            # call. Pricing it every round, between two passes, cost ~2% of a step.
+            self.out_for_call = True
+            self.rounds_since_probe += 1
+            plain = Choice(0, predicted_tps=self.tps(1.0))
+            return (self.cost_probe() if self.hopeless(1.0) else None) or plain
         rates = {g: self.rate(g) or 0.0 for g in range(self.max_gamma + 1)}
         plain = Choice(0, predicted_tps=self.tps(rates[0]))
         best = max(range(1, self.max_gamma + 1), key=rates.get)
-        missed = self.rounds_since_probe if behind is None else behind
-        tree = None
-        if not self.behind_for_good(missed, remaining, rates[0]):
-            shape, tree_rate = self.best_tree()
-            tree = shape if tree_rate > rates[best] else None
+        shape, tree_rate = self.best_tree()
+        tree = shape if tree_rate > rates[best] else None
         best, best_rate = (tree.nodes, tree_rate) if tree else (best, rates[best])
         # Hysteresis: starting to draft needs the forecast to win by the margin, stopping
         # needs it to lose by as much. A draft model that stops falls behind, and bringing
@@ -195,19 +205,7 @@ class Scheduler:
             return Choice(best, predicted_tps=self.tps(best_rate), tree=tree)
         self.rounds_since_probe += 1
         if self.hopeless(rates[0]):
-            # Even perfect drafts would lose: only the costs are in question. Measure T(k)
-            # now and then with free guesses, and the draft by one pass (the engine): its
-            # catch-up on the rounds it missed would cost more than the probe learns. The
-            # costs belong to the pair, not the text, so the back-off outlives the call:
-            # reset per call, a draft as costly as the target paid a probe and its re-timing
-            # (~3 target steps) in every reply over 32 tokens.
-            costs = self.costs
-            costs.plain_since_cost_probe += 1
-            if costs.plain_since_cost_probe < costs.cost_backoff:
-                return plain
-            costs.plain_since_cost_probe = 0
-            costs.cost_backoff = min(costs.cost_backoff * 2, 1024)
-            return Choice(min(COST_PROBE, self.max_gamma), cost_probe=True)
+            return self.cost_probe() or plain
         # This text's α may be higher than estimated: look once the plain rounds since the
         # last look (or since the call began) can afford the look's forecast loss.
         waited = self.rounds_since_probe
@@ -217,6 +215,22 @@ class Scheduler:
             return plain
         self.rounds_since_probe = 0
         return Choice(g, predicted_tps=self.tps(rates[0]))
+
+    def cost_probe(self) -> Choice | None:
+        """A cost-only probe where one is due, for a round where even perfect drafts would
+        lose: only the costs are in question. T(k) is measured now and then with free
+        guesses, and the draft by one pass (the engine): its catch-up on the rounds it
+        missed would cost more than the probe learns. The costs belong to the pair, not the
+        text, so the back-off outlives the call: reset per call, a draft as costly as the
+        target paid a probe and its re-timing (~3 target steps) in every reply over 32
+        tokens."""
+        costs = self.costs
+        costs.plain_since_cost_probe += 1
+        if costs.plain_since_cost_probe < costs.cost_backoff:
+            return None
+        costs.plain_since_cost_probe = 0
+        costs.cost_backoff = min(costs.cost_backoff * 2, 1024)
+        return Choice(min(COST_PROBE, self.max_gamma), cost_probe=True)
 
     def best_tree(self) -> tuple[Shape | None, float]:
         """(the tree with the most expected tokens per T(1), its rate) among the greedy
@@ -278,8 +292,8 @@ class Scheduler:
     def behind_for_good(self, backlog: int, remaining: int | None, plain: float) -> bool:
         """Whether taking `backlog` missed tokens alone would cost the draft more than
         decoding the rest of the call plain: then no proposal of any shape can pay (pays()
-        says no to all), and pricing trees, every round between two passes, is skipped (a
-        draft that has not taken a long prompt is there for the whole reply)."""
+        says no to all), here and in every later round of the call (a draft that has not
+        taken a long prompt is there for the whole reply). `plain`: tokens per T(1)."""
         return remaining is not None and self.catch_up(backlog) >= remaining / plain
 
     def catch_up(self, backlog: int) -> float:
