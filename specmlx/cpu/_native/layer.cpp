@@ -162,11 +162,40 @@ void DecoderLayer::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array
   throw std::runtime_error("[specmlx] the native decoder layer has no GPU kernel");
 }
 
-namespace {
+std::vector<mx::array> decoder_layer(
+    const mx::array& x,
+    const mx::array& norm_in,
+    float eps_in,
+    const std::vector<mx::array>& qkv,
+    const std::vector<mx::array>& qkv_bias,
+    const std::vector<mx::array>& o,
+    const mx::array& norm_post,
+    float eps_post,
+    const std::vector<mx::array>& gate_up,
+    const std::vector<mx::array>& down,
+    const mx::array& k_cache,
+    const mx::array& v_cache,
+    int group_size,
+    int bits,
+    const std::string& activation,
+    int n_heads,
+    int offset,
+    int rope_dims,
+    bool rope_traditional,
+    float rope_base,
+    float rope_scale,
+    float scale,
+    bool causal,
+    bool reuse,
+    const std::vector<mx::array>& packed,
+    mx::StreamOrDevice s) {
+  const int length = x.ndim() == 3 ? x.shape(1) : 0;  // decoder_layer_rows checks the shape
+  return decoder_layer_rows(x, norm_in, eps_in, qkv, qkv_bias, o, norm_post, eps_post, gate_up, down, {k_cache},
+                            {v_cache}, group_size, bits, activation, n_heads, {offset}, {length}, rope_dims,
+                            rope_traditional, rope_base, rope_scale, scale, {causal}, {reuse}, packed, s);
+}
 
-// Checks the inputs and builds the op: decoder_layer's (one cache) and decoder_layer_rows'
-// (a cache per row of x).
-std::vector<mx::array> make_layer(
+std::vector<mx::array> decoder_layer_rows(
     const mx::array& x,
     const mx::array& norm_in,
     float eps_in,
@@ -183,7 +212,15 @@ std::vector<mx::array> make_layer(
     int bits,
     const std::string& activation,
     int n_heads,
-    DecoderLayer::Settings settings,
+    const std::vector<int>& offsets,
+    const std::vector<int>& lengths,
+    int rope_dims,
+    bool rope_traditional,
+    float rope_base,
+    float rope_scale,
+    float scale,
+    const std::vector<int>& causal,
+    const std::vector<int>& reuse,
     const std::vector<mx::array>& packed,
     mx::StreamOrDevice s) {
   const auto stream = mx::to_stream(s);
@@ -200,8 +237,8 @@ std::vector<mx::array> make_layer(
   check(x.ndim() == 3, "takes x (B, L, hidden)");
   const int B = x.shape(0), L = x.shape(1), hidden = x.shape(2);
   const size_t C = k_caches.size();
-  check(C > 0 && v_caches.size() == C && settings.offsets.size() == C && settings.lengths.size() == C &&
-            settings.causal.size() == C && settings.reuse.size() == C,
+  check(C > 0 && v_caches.size() == C && offsets.size() == C && lengths.size() == C && causal.size() == C &&
+            reuse.size() == C,
         "takes a k cache, a v cache, an offset, a length, a mask and a reuse flag per cache");
   check(C == 1 || int(C) == B, "takes one cache, or one per row of x");
   const int Hkv = k_caches[0].ndim() == 4 ? k_caches[0].shape(1) : 0;
@@ -212,14 +249,13 @@ std::vector<mx::array> make_layer(
     check(kc.ndim() == 4 && vc.shape() == kc.shape(), "takes caches (B, Hkv, S, D), k and v of one shape");
     check(kc.shape(0) == (C == 1 ? B : 1) && kc.shape(1) == Hkv && kc.shape(3) == D,
           "the caches do not agree with x or with each other");
-    const int offset = settings.offsets[c], length = settings.lengths[c];
+    const int offset = offsets[c], length = lengths[c];
     check(length > 0 && length <= L && (C > 1 || length == L), "a row's length must be in 1 .. L");
     check(offset >= 0 && int64_t(offset) + length <= kc.shape(2), "needs room for the new positions in the cache");
   }
   check(norm_in.shape() == mx::Shape{hidden} && norm_post.shape() == mx::Shape{hidden}, "a norm's weight must be (hidden,)");
   check(n_heads > 0 && Hkv > 0 && n_heads % Hkv == 0, "the heads and caches do not agree");
   check(D > 0 && D % kHeadDimStep == 0 && D <= kMaxHeadDim, "takes head sizes that are multiples of 16 up to 512");
-  const int rope_dims = settings.rope_dims;
   check(rope_dims > 0 && rope_dims % 2 == 0 && rope_dims <= D, "rope dims must be even, positive and at most D");
   check(hidden % group_size == 0, "hidden must be a multiple of the group size");
   const int I = gate_up[0].shape(0);
@@ -263,94 +299,15 @@ std::vector<mx::array> make_layer(
   for (const auto& a : packed) {
     inputs.push_back(row_contiguous(a, stream));
   }
-  settings.eps_in = eps_in, settings.eps_post = eps_post;
-  settings.group_size = group_size, settings.bits = bits;
-  settings.act = int(activation == "silu" ? GateAct::silu : GateAct::gelu_approx);
-  settings.n_heads = n_heads;
-  settings.biased = !qkv_bias.empty(), settings.packed = !packed.empty();
+  const DecoderLayer::Settings settings{
+      eps_in, eps_post, group_size, bits, int(activation == "silu" ? GateAct::silu : GateAct::gelu_approx), n_heads,
+      rope_dims, rope_traditional, rope_base, rope_scale, scale, !qkv_bias.empty(), !packed.empty(),
+      offsets, lengths, causal, reuse};
   return mx::array::make_arrays(
       std::move(shapes),
       std::vector<mx::Dtype>(1 + 2 * C, mx::float32),
-      std::make_shared<DecoderLayer>(stream, std::move(settings)),
+      std::make_shared<DecoderLayer>(stream, settings),
       std::move(inputs));
-}
-
-DecoderLayer::Settings rope_settings(int rope_dims, bool rope_traditional, float rope_base, float rope_scale,
-                                     float scale) {
-  DecoderLayer::Settings settings{};
-  settings.rope_dims = rope_dims, settings.rope_traditional = rope_traditional;
-  settings.rope_base = rope_base, settings.rope_scale = rope_scale, settings.scale = scale;
-  return settings;
-}
-
-} // namespace
-
-std::vector<mx::array> decoder_layer(
-    const mx::array& x,
-    const mx::array& norm_in,
-    float eps_in,
-    const std::vector<mx::array>& qkv,
-    const std::vector<mx::array>& qkv_bias,
-    const std::vector<mx::array>& o,
-    const mx::array& norm_post,
-    float eps_post,
-    const std::vector<mx::array>& gate_up,
-    const std::vector<mx::array>& down,
-    const mx::array& k_cache,
-    const mx::array& v_cache,
-    int group_size,
-    int bits,
-    const std::string& activation,
-    int n_heads,
-    int offset,
-    int rope_dims,
-    bool rope_traditional,
-    float rope_base,
-    float rope_scale,
-    float scale,
-    bool causal,
-    bool reuse,
-    const std::vector<mx::array>& packed,
-    mx::StreamOrDevice s) {
-  auto settings = rope_settings(rope_dims, rope_traditional, rope_base, rope_scale, scale);
-  settings.offsets = {offset}, settings.lengths = {x.ndim() == 3 ? x.shape(1) : 0};
-  settings.causal = {causal}, settings.reuse = {reuse};
-  return make_layer(x, norm_in, eps_in, qkv, qkv_bias, o, norm_post, eps_post, gate_up, down, {k_cache}, {v_cache},
-                    group_size, bits, activation, n_heads, std::move(settings), packed, s);
-}
-
-std::vector<mx::array> decoder_layer_rows(
-    const mx::array& x,
-    const mx::array& norm_in,
-    float eps_in,
-    const std::vector<mx::array>& qkv,
-    const std::vector<mx::array>& qkv_bias,
-    const std::vector<mx::array>& o,
-    const mx::array& norm_post,
-    float eps_post,
-    const std::vector<mx::array>& gate_up,
-    const std::vector<mx::array>& down,
-    const std::vector<mx::array>& k_caches,
-    const std::vector<mx::array>& v_caches,
-    int group_size,
-    int bits,
-    const std::string& activation,
-    int n_heads,
-    const std::vector<int>& offsets,
-    const std::vector<int>& lengths,
-    int rope_dims,
-    bool rope_traditional,
-    float rope_base,
-    float rope_scale,
-    float scale,
-    const std::vector<int>& causal,
-    const std::vector<int>& reuse,
-    const std::vector<mx::array>& packed,
-    mx::StreamOrDevice s) {
-  auto settings = rope_settings(rope_dims, rope_traditional, rope_base, rope_scale, scale);
-  settings.offsets = offsets, settings.lengths = lengths, settings.causal = causal, settings.reuse = reuse;
-  return make_layer(x, norm_in, eps_in, qkv, qkv_bias, o, norm_post, eps_post, gate_up, down, k_caches, v_caches,
-                    group_size, bits, activation, n_heads, std::move(settings), packed, s);
 }
 
 } // namespace specmlx

@@ -58,7 +58,8 @@ std::vector<mx::array> decoder_layer(
 // positions at offsets[r] ... The products run over all R * W rows at once; each row's
 // attention runs on its own cache as decoder_layer's would with that row alone (causal[r]:
 // its mask, reuse[r] as there), so each row's output bits are those of its own pass.
-// Returns (out, the R new k caches, the R new v caches).
+// Returns (out, the R new k caches, the R new v caches). With one cache, it is decoder_layer:
+// a cache of x's batch, every row's L positions new.
 std::vector<mx::array> decoder_layer_rows(
     const mx::array& x,
     const mx::array& norm_in,
