@@ -170,7 +170,7 @@ class Scheduler:
             known = not self.free_drafts and self.draft_ratio is not None
             return Choice(first, cost_probe=known)
         missed = self.rounds_since_probe if behind is None else behind
-        if self.out_for_call or self.behind_for_good(missed, remaining, 1.0):
+        if self.out_for_call or self.behind_for_good(missed, remaining):
             # Its backlog only grows and the tokens left only shrink: it stays behind. Only
             # a cost probe (free guesses, no catch-up) can still run; the costs outlive the
             # call. Pricing it every round, between two passes, cost ~2% of a step.
@@ -289,12 +289,12 @@ class Scheduler:
         catch_up = self.catch_up(behind)  # a known cost: no margin
         return remaining is None or remaining / best + catch_up <= remaining / plain
 
-    def behind_for_good(self, backlog: int, remaining: int | None, plain: float) -> bool:
+    def behind_for_good(self, backlog: int, remaining: int | None) -> bool:
         """Whether taking `backlog` missed tokens alone would cost the draft more than
-        decoding the rest of the call plain: then no proposal of any shape can pay (pays()
-        says no to all), here and in every later round of the call (a draft that has not
-        taken a long prompt is there for the whole reply). `plain`: tokens per T(1)."""
-        return remaining is not None and self.catch_up(backlog) >= remaining / plain
+        decoding the rest of the call plain (a token a T(1)): then no proposal of any shape
+        can pay (pays() says no to all), here and in every later round of the call (a draft
+        that has not taken a long prompt is there for the whole reply)."""
+        return remaining is not None and self.catch_up(backlog) >= remaining
 
     def catch_up(self, backlog: int) -> float:
         """The draft's extra cost, in T(1)s, of taking `backlog` missed tokens with its
